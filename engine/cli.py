@@ -1,0 +1,180 @@
+"""Command line: `python -m engine generate` and `python -m engine bench`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .decode import METHODS, DecodeSettings, Decoder
+from .errors import EngineError
+from .loading import DEFAULT_TARGET, load_drafter, load_target
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"{DEFAULT_TARGET} (embedded default), synthetic:<preset>, an HF directory or a .gguf file")
+    p.add_argument("--draft", default="default",
+                   help="default, random[:layers], a DFlash draft directory, or none")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per draft block (default: the draft's)")
+    p.add_argument("--topk-cap", type=int, default=8, help="DDTree: candidates per depth")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on a GPU, float32 on a CPU")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights (synthetic targets, random drafts)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="decode one prompt greedily")
+    _common(g)
+    g.add_argument("--method", default="ddtree", choices=METHODS)
+    g.add_argument("--budget", type=int, default=15, help="DDTree: draft tree nodes per round")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (wrapped in the target's chat template, if it has one)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, used as they are")
+    g.add_argument("--no-chat-template", action="store_true", help="tokenize --prompt as plain text")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's end-of-sequence tokens")
+    g.add_argument("--json", help="write tokens, text, acceptance_lengths, stage_ms and tok_s to this file")
+
+    b = sub.add_parser("bench", help="the workload matrix: tok/s, acceptance length and speed-up per method")
+    _common(b)
+    b.add_argument("--methods", default="ar,dflash,ddtree-15,ddtree-16,ddtree-32,ddtree-64",
+                   help="comma-separated: ar, dflash, ddtree-<budget>")
+    b.add_argument("--workloads", default="fib,qsort,arith,json")
+    b.add_argument("--lengths", default="short,long", help="short, long, or NAME=TOKENS entries")
+    b.add_argument("--repeats", type=int, default=1, help="timed runs per combination (median reported)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed runs per combination first")
+    b.add_argument("--stop-at-eos", action="store_true", help="stop at end-of-sequence (default: fixed lengths)")
+    b.add_argument("--json", default="bench-results.json", help="result file")
+    return parser
+
+
+def _device_dtype(args) -> tuple[torch.device, torch.dtype]:
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise EngineError(f"unknown device {args.device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError("--device cuda asked for, but this machine has no usable GPU")
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, dtype
+
+
+def _check_sizes(args) -> None:
+    if args.block_size is not None and args.block_size < 2:
+        raise EngineError(f"block size must be >= 2, got {args.block_size}")
+    if args.topk_cap < 1:
+        raise EngineError(f"topk_cap must be >= 1, got {args.topk_cap}")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise EngineError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise EngineError("--prompt-ids is empty")
+    return ids
+
+
+def cmd_generate(args) -> int:
+    from .results import write_json
+    from .workloads import PROMPTS
+
+    if args.budget < 0:
+        raise EngineError(f"budget must be >= 0, got {args.budget}")
+    if args.max_new_tokens < 1:
+        raise EngineError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    _check_sizes(args)
+    device, dtype = _device_dtype(args)
+    ids = _parse_ids(args.prompt_ids) if args.prompt_ids else None
+    target = load_target(args.target, device, dtype)
+    if ids is None:
+        ids = target.encode(args.prompt if args.prompt is not None else PROMPTS["fib"], chat=not args.no_chat_template)
+    drafter = load_drafter(args.draft, target, args.block_size, args.seed) if args.method != "ar" else None
+    decoder = Decoder(target.model, drafter, DecodeSettings(args.method, args.budget, args.topk_cap))
+    stop = () if args.ignore_eos else target.stop_ids
+    result = decoder.generate(ids, args.max_new_tokens, stop)
+    text = target.decode(result.tokens)
+    if text is not None:
+        print(text)
+    print("tokens:", ",".join(map(str, result.tokens)))
+    stages = " ".join(f"{k} {v:.2f}" for k, v in result.stage_ms.items())
+    print(f"{args.method}: {len(result.tokens)} tokens, {result.rounds} rounds, tau {result.tau:.2f}, "
+          f"{result.tok_s:.1f} tok/s decode, TTFT {result.prefill_s * 1e3:.1f} ms; ms/round: {stages or '-'}",
+          file=sys.stderr)
+    if args.json:
+        write_json(args.json, dict(tokens=result.tokens, text=text, acceptance_lengths=result.acceptance_lengths,
+                                   stage_ms=result.stage_ms, tok_s=result.tok_s, tau=result.tau,
+                                   ttft_ms=result.prefill_s * 1e3, method=args.method, target=target.name,
+                                   draft=args.draft if drafter is not None else None, prompt_ids=ids))
+    return 0
+
+
+def _parse_lengths(text: str, device) -> dict[str, int]:
+    from .bench import default_lengths
+
+    defaults, lengths = default_lengths(device), {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise EngineError(f"bad length {item!r}: NAME=TOKENS with TOKENS >= 1")
+            lengths[name] = int(value)
+        elif name in defaults:
+            lengths[name] = defaults[name]
+        else:
+            raise EngineError(f"unknown length {name!r} (short, long, or NAME=TOKENS)")
+    if not lengths:
+        raise EngineError("--lengths is empty")
+    return lengths
+
+
+def cmd_bench(args) -> int:
+    from .bench import Method, format_table, parse_workloads, run_matrix, summarize
+    from .results import environment, write_json
+
+    _check_sizes(args)
+    if args.repeats < 1 or args.warmup < 0:
+        raise EngineError("--repeats must be >= 1 and --warmup >= 0")
+    device, dtype = _device_dtype(args)
+    methods = [Method.parse(m, args.topk_cap) for m in args.methods.split(",") if m]
+    if not any(m.name == "ar" for m in methods):
+        methods.insert(0, Method.parse("ar", args.topk_cap))  # the reference for losslessness and speed-up
+    workloads = parse_workloads(args.workloads)
+    lengths = _parse_lengths(args.lengths, device)
+    print(f"loading {args.target} ...", file=sys.stderr)
+    target = load_target(args.target, device, dtype)
+    needs_draft = any(m.settings.method != "ar" for m in methods)
+    drafter = load_drafter(args.draft, target, args.block_size, args.seed) if needs_draft else None
+    records = run_matrix(target, drafter, methods, workloads, lengths, args.repeats, args.warmup, args.stop_at_eos)
+    rows = summarize(records, methods)
+    draft_name = args.draft if args.draft != "default" else f"default ({target.default_draft})"
+    print(f"\ntarget {target.name}, draft {draft_name}, {device} {str(dtype).removeprefix('torch.')}, "
+          f"lengths {lengths}, workloads {','.join(workloads)}")
+    print(format_table(rows))
+    write_json(args.json, dict(environment=environment(device), target=target.name, draft=draft_name,
+                               dtype=str(dtype), lengths=lengths, summary=rows, runs=records))
+    print(f"results: {args.json}")
+    if not all(r["lossless"] for r in rows):
+        print("error: a speculative method diverged from greedy AR output (see 'exactness' in the results)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+    except EngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

