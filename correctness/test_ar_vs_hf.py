@@ -1,0 +1,65 @@
+"""The engine's greedy AR equals transformers' greedy `generate`, token for token (exactness rule)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+from engine.exactness import compare_tokens, tolerance_for
+
+from .conftest import TINY
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos) -> tuple[list[int], list[float]]:
+    """transformers' greedy generate: tokens and the top-1 minus top-2 margin of each step's raw logits."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    margins = [float(t[0] - t[1]) for t in (logits[0].float().topk(2).values for logits in out.logits)]
+    return tokens, margins
+
+
+def check_against_hf(target, hf_model, prompt, max_new_tokens, stop):
+    ours = engine.Decoder(target.model).generate(prompt, max_new_tokens, stop)
+    ref, margins = hf_greedy(hf_model, prompt, max_new_tokens, list(stop) or None)
+    verdict = compare_tokens(ref, margins, ours.tokens, tolerance_for(torch.float32))
+    assert verdict.ok, f"engine AR vs HF generate: {verdict.describe()}\nHF:  {ref}\nour: {ours.tokens}"
+    return ours, verdict
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_tiny_checkpoints_match_hf(tiny_checkpoints, name):
+    path, hf_model = tiny_checkpoints[name]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(len(name))
+    vocab = target.model.cfg.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (1, 7, 23)]
+    prompts.append([1, 2, 2, 5, 2, 9])  # bos and eos ids inside the prompt must not stop anything
+    identical = 0
+    for prompt in prompts:
+        ours, verdict = check_against_hf(target, hf_model, prompt, 40, ())
+        assert len(ours.tokens) == 40
+        identical += verdict.identical
+    assert identical >= len(prompts) - 1, "near-ties in float32 should be rare: choose other seeds"
+
+
+def test_tiny_checkpoint_stops_like_hf(tiny_checkpoints):
+    """With a stop token that greedy decoding reaches, both stop right after emitting it."""
+    path, hf_model = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    prompt = [5, 17, 33, 8]
+    free = engine.Decoder(target.model).generate(prompt, 30)
+    stop = free.tokens[12]
+    ours, _ = check_against_hf(target, hf_model, prompt, 30, (stop,))
+    assert ours.tokens == free.tokens[:free.tokens.index(stop) + 1]
+
+
+@pytest.mark.slow
+def test_default_model_matches_hf(default_target, default_hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(default_hf_dir, dtype=torch.float32).eval()
+    for text in ("Write a Python function that returns the n-th Fibonacci number.", "What is the capital of France?"):
+        prompt = default_target.encode(text)
+        check_against_hf(default_target, hf_model, prompt, 24, default_target.stop_ids)

@@ -1,0 +1,75 @@
+"""The command line: generate prints the same tokens for every method; --json and bench write their results."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+
+
+def printed_tokens(stdout: str) -> list[int]:
+    line = next(l for l in stdout.splitlines() if l.startswith("tokens:"))
+    return [int(t) for t in line.split(":", 1)[1].strip().split(",")]
+
+
+@pytest.mark.slow
+def test_generate_methods_print_the_same_tokens(tmp_path):
+    prompt = "Write a Python function that checks whether a number is prime."
+    outputs = {}
+    for method in ("ar", "dflash", "ddtree"):
+        out = tmp_path / f"{method}.json"
+        proc = run_cli("generate", "--method", method, "--budget", "15", "--max-new-tokens", "20",
+                       "--prompt", prompt, "--device", "cpu", "--json", str(out))
+        assert proc.returncode == 0, proc.stderr
+        outputs[method] = printed_tokens(proc.stdout)
+        result = json.loads(out.read_text())
+        assert result["tokens"] == outputs[method]
+        assert set(result) >= {"tokens", "text", "acceptance_lengths", "stage_ms", "tok_s"}
+        assert sum(result["acceptance_lengths"]) >= len(result["tokens"]) - 1
+        assert result["tok_s"] > 0 and result["text"]
+    assert outputs["dflash"] == outputs["ar"] and outputs["ddtree"] == outputs["ar"]
+    assert len(outputs["ar"]) >= 1
+
+
+@pytest.mark.slow
+def test_generate_with_prompt_ids_and_special_tokens(tmp_path):
+    """Token ids straight from the command line, special ids (bos, eos, chat markers) inside the prompt."""
+    ids = "1,9690,198,2,2683,359,2,1"
+    results = []
+    for method in ("ar", "ddtree"):
+        proc = run_cli("generate", "--method", method, "--prompt-ids", ids, "--max-new-tokens", "12",
+                       "--ignore-eos", "--device", "cpu")
+        assert proc.returncode == 0, proc.stderr
+        results.append(printed_tokens(proc.stdout))
+    assert results[0] == results[1] and len(results[0]) == 12
+
+
+@pytest.mark.slow
+def test_bench_writes_table_and_results(tmp_path, capsys):
+    from engine.cli import main
+
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--workloads", "fib,json", "--lengths", "short=6", "--methods", "ar,dflash,ddtree-15",
+                 "--warmup", "0", "--device", "cpu", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    for method in ("ar", "dflash", "ddtree-15"):
+        assert method in printed
+    result = json.loads(out.read_text())
+    assert {r["method"] for r in result["summary"]} == {"ar", "dflash", "ddtree-15"}
+    assert len(result["runs"]) == 2 * 3
+    assert all(r["lossless"] is not False for r in result["runs"])
+    assert result["environment"]["torch"]
+    ar = next(r for r in result["summary"] if r["method"] == "ar")
+    assert ar["speedup_vs_ar"] == pytest.approx(1.0) and ar["tau"] == 1.0

@@ -1,0 +1,142 @@
+"""DFlash and DDTree output equals greedy AR output, for random DFlash drafts and for the oracle drafter.
+
+The oracle drafter proposes the AR continuation with seeded mistakes, so rounds accept several tokens and
+DDTree accepts side branches (non-contiguous cache rows that compaction must move); a random draft is
+almost always rejected. Both paths must reproduce AR exactly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+from engine.cache import ModelCache
+from engine.exactness import compare_tokens, tolerance_for
+
+BLOCK_SIZES = (2, 4, 8, 16)
+BUDGETS = (1, 2, 4, 8, 15, 16, 32, 64)
+TOPK_CAPS = (1, 3, 8)
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, target.model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 19)]
+    refs = [engine.Decoder(target.model).generate(p, NEW_TOKENS, record_margins=True) for p in prompts]
+    return target, prompts, refs
+
+
+@pytest.fixture
+def compactions(monkeypatch):
+    """Counts cache compactions that really moved rows (accepted nodes that were not a contiguous prefix)."""
+    moved = []
+    keep = ModelCache.keep
+
+    def counting_keep(self, offsets):
+        if offsets != list(range(len(offsets))):
+            moved.append(offsets)
+        return keep(self, offsets)
+
+    monkeypatch.setattr(ModelCache, "keep", counting_keep)
+    return moved
+
+
+def assert_lossless(ref, result, what):
+    verdict = compare_tokens(ref.tokens, ref.margins, result.tokens, tolerance_for(torch.float32))
+    assert verdict.ok, f"{what}: {verdict.describe()}\nAR:   {ref.tokens}\nspec: {result.tokens}"
+    assert sum(result.acceptance_lengths) >= len(result.tokens) - 1
+
+
+def oracle(target, prompt, ref, block_size, seed=0, miss_rate=0.25):
+    return engine.OracleDrafter(prompt + ref.tokens, target.model.cfg.vocab_size, block_size, miss_rate=miss_rate,
+                                seed=seed)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_dflash_equals_ar(tiny, block_size):
+    target, prompts, refs = tiny
+    random_draft = engine.load_drafter("random:2", target, block_size)
+    taus = []
+    for prompt, ref in zip(prompts, refs):
+        for drafter in (random_draft, oracle(target, prompt, ref, block_size)):
+            result = engine.Decoder(target.model, drafter, engine.DecodeSettings("dflash")).generate(prompt, NEW_TOKENS)
+            assert_lossless(ref, result, f"dflash block {block_size} {type(drafter).__name__}")
+            taus.append(result.tau)
+    assert max(taus) > 1.5, "the oracle drafter should drive multi-token acceptance"
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_ddtree_equals_ar(tiny, compactions, block_size, budget):
+    target, prompts, refs = tiny
+    random_draft = engine.load_drafter("random:1", target, block_size, seed=budget)
+    for topk_cap in TOPK_CAPS:
+        settings = engine.DecodeSettings("ddtree", budget, topk_cap)
+        for seed, (prompt, ref) in enumerate(zip(prompts, refs)):
+            for drafter in (random_draft, oracle(target, prompt, ref, block_size, seed=seed)):
+                result = engine.Decoder(target.model, drafter, settings).generate(prompt, NEW_TOKENS)
+                assert_lossless(ref, result, f"ddtree B={block_size} budget={budget} cap={topk_cap} "
+                                             f"{type(drafter).__name__}")
+    if budget >= 15 and block_size >= 4:
+        assert compactions, "the oracle should make DDTree accept side branches that compaction moves"
+
+
+def test_ddtree_beats_dflash_with_side_branches(tiny):
+    """With mistakes that demote the right token, DDTree's siblings recover acceptance that a chain loses."""
+    target, prompts, refs = tiny
+    taus = {}
+    for method, budget in (("dflash", 0), ("ddtree", 32)):
+        results = [engine.Decoder(target.model, oracle(target, p, r, 8, miss_rate=0.4),
+                                  engine.DecodeSettings(method, budget)).generate(p, NEW_TOKENS)
+                   for p, r in zip(prompts, refs)]
+        taus[method] = sum(sum(r.acceptance_lengths) for r in results) / sum(r.rounds for r in results)
+    assert taus["ddtree"] > taus["dflash"] + 0.3, taus
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 15), ("ddtree", 0)])
+def test_stop_tokens(tiny, method, budget):
+    """A stop token inside an accepted block ends generation right after it, exactly where AR stops."""
+    target, prompts, refs = tiny
+    prompt, ref = prompts[0], refs[0]
+    stop = ref.tokens[17]
+    expected = ref.tokens[:ref.tokens.index(stop) + 1]
+    ar = engine.Decoder(target.model).generate(prompt, NEW_TOKENS, (stop,))
+    assert ar.tokens == expected
+    for drafter in (oracle(target, prompt, ref, 8, miss_rate=0.0), engine.load_drafter("random:1", target, 8)):
+        result = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, budget)).generate(
+            prompt, NEW_TOKENS, (stop,))
+        assert result.tokens == expected
+
+
+@pytest.mark.parametrize("block_size", (2, 4, 16))
+@pytest.mark.parametrize("method", ("dflash", "ddtree"))
+def test_lengths_at_block_boundaries(tiny, method, block_size):
+    """max_new_tokens of 1, and lengths ending exactly at (and one past, one before) a round boundary."""
+    target, prompts, refs = tiny
+    prompt, ref = prompts[1], refs[1]
+    drafter = oracle(target, prompt, ref, block_size, miss_rate=0.0)  # every round commits block_size tokens
+    settings = engine.DecodeSettings(method, budget=2 * block_size)
+    for n in (1, 2, 1 + block_size, 1 + 2 * block_size, 2 * block_size, 2 + 2 * block_size):
+        if n > NEW_TOKENS:
+            continue
+        result = engine.Decoder(target.model, drafter, settings).generate(prompt, n)
+        assert result.tokens == ref.tokens[:n], f"max_new_tokens={n}"
+        if n == 1 + 2 * block_size:
+            assert result.acceptance_lengths == [block_size, block_size]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 15), ("ddtree", 32)])
+def test_default_pair_equals_ar(default_target, method, budget):
+    target = default_target
+    draft = engine.load_drafter("default", target)
+    for text in ("Implement quicksort in Python.", "What is 17 times 23?"):
+        prompt = target.encode(text)
+        ref = engine.Decoder(target.model).generate(prompt, 24, target.stop_ids, record_margins=True)
+        for drafter in (draft, oracle(target, prompt, ref, 16)):
+            result = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, budget)).generate(
+                prompt, 24, target.stop_ids)
+            assert_lossless(ref, result, f"default pair {method} {budget} {type(drafter).__name__}")
