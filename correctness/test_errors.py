@@ -223,8 +223,6 @@ BROKEN_CHECKPOINTS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: these broken checkpoints escape as AttributeError, "
-                                       "SafetensorError or StrictDataclassFieldValidationError, not EngineError")
 @pytest.mark.parametrize("name", sorted(BROKEN_CHECKPOINTS))
 def test_broken_checkpoint_is_engine_error(dirs, tmp_path, name):
     """Structurally broken checkpoint files are bad input too: one EngineError, not a traceback."""
@@ -372,7 +370,6 @@ def test_block_size_below_two(target, dirs, capsys, method):
                      "--draft", str(dirs["draft"]), "--block-size", "1", mentions="block size")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine bug: DFlashDrafter uses `block_size or default`, so 0 is ignored")
 def test_block_size_zero_is_not_silently_replaced(target, dirs):
     """load_drafter(..., block_size=0) must not quietly fall back to the draft's own block size."""
     drafter = load_drafter(str(dirs["draft"]), target, block_size=0)
@@ -426,8 +423,6 @@ def test_empty_prompt(target, dirs, capsys):
                      mentions="empty")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine bug: cli tests `if args.prompt_ids` (truthiness), so '' falls back "
-                                       "to the default prompt instead of being reported as empty")
 def test_empty_prompt_ids_string(dirs, capsys):
     """`--prompt-ids ""` is an empty prompt, not a request for the default prompt."""
     assert_cli_error(capsys, "--target", str(dirs["target"]), "--prompt-ids", "", "--method", "ar",

@@ -95,7 +95,7 @@ def cmd_generate(args) -> int:
         raise EngineError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
     _check_sizes(args)
     device, dtype = _device_dtype(args)
-    ids = _parse_ids(args.prompt_ids) if args.prompt_ids else None
+    ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     target = load_target(args.target, device, dtype)
     if ids is None:
         ids = target.encode(args.prompt if args.prompt is not None else PROMPTS["fib"], chat=not args.no_chat_template)

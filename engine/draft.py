@@ -87,7 +87,7 @@ class DFlashDrafter(Drafter):
         self.draft = draft.eval().requires_grad_(False)
         self.target = target
         dcfg = draft.dcfg
-        self.block_size = block_size or dcfg.block_size
+        self.block_size = dcfg.block_size if block_size is None else block_size
         self.feature_layers = tuple(dcfg.target_layer_ids)
         self.mask_token_id = dcfg.mask_token_id
         self.windows = dcfg.sliding_window

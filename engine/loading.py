@@ -77,8 +77,11 @@ def _checkpoint_keys(files: list[Path]) -> set[str]:
 
     keys = set()
     for f in files:
-        with safe_open(f, framework="pt") as sf:
-            keys.update(_strip(k) for k in sf.keys())
+        try:
+            with safe_open(f, framework="pt") as sf:
+                keys.update(_strip(k) for k in sf.keys())
+        except Exception as e:  # safetensors raises its own error type for a damaged header
+            raise EngineError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
     return keys
 
 
@@ -139,9 +142,12 @@ def _read_config(path: Path) -> dict:
     if not cfg_file.exists():
         raise EngineError(f"{path}: no config.json")
     try:
-        return json.loads(cfg_file.read_text())
+        raw = json.loads(cfg_file.read_text())
     except ValueError as e:
         raise EngineError(f"{cfg_file}: malformed JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise EngineError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def _hf_config(raw: dict, where: str):
@@ -150,8 +156,9 @@ def _hf_config(raw: dict, where: str):
     fields = {k: v for k, v in raw.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(raw.get("model_type"), **fields)
-    except (ValueError, KeyError, TypeError) as e:
-        raise EngineError(f"{where}: cannot read config ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # transformers and huggingface_hub raise several types for invalid fields
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise EngineError(f"{where}: invalid config.json ({reason})") from None
 
 
 # ---------------------------------------------------------------------------------------------------- targets
@@ -199,9 +206,14 @@ def _generation_eos(path: Path) -> tuple[int, ...]:
         return ()
     try:
         eos = json.loads(f.read_text()).get("eos_token_id")
-    except ValueError:
+    except (ValueError, AttributeError):
+        raise EngineError(f"{f}: malformed generation config (expected a JSON object)") from None
+    if eos is None:
         return ()
-    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    eos = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(t, int) for t in eos):
+        raise EngineError(f"{f}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+    return tuple(eos)
 
 
 def _load_tokenizer(path: Path):
