@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workloads", default="fib,qsort,arith,json")
     b.add_argument("--lengths", default="short,long", help="short, long, or NAME=TOKENS entries")
     b.add_argument("--repeats", type=int, default=1, help="timed runs per combination (median reported)")
-    b.add_argument("--warmup", type=int, default=1, help="untimed runs per combination first")
+    b.add_argument("--warmup", type=int, default=None,
+                   help="untimed runs per combination first (default: 1 on a GPU, 0 on a CPU)")
     b.add_argument("--stop-at-eos", action="store_true", help="stop at end-of-sequence (default: fixed lengths)")
     b.add_argument("--json", default="bench-results.json", help="result file")
     return parser
@@ -143,9 +144,10 @@ def cmd_bench(args) -> int:
     from .results import environment, write_json
 
     _check_sizes(args)
-    if args.repeats < 1 or args.warmup < 0:
+    if args.repeats < 1 or (args.warmup is not None and args.warmup < 0):
         raise EngineError("--repeats must be >= 1 and --warmup >= 0")
     device, dtype = _device_dtype(args)
+    warmup = args.warmup if args.warmup is not None else int(device.type == "cuda")
     methods = [Method.parse(m, args.topk_cap) for m in args.methods.split(",") if m]
     if not any(m.name == "ar" for m in methods):
         methods.insert(0, Method.parse("ar", args.topk_cap))  # the reference for losslessness and speed-up
@@ -155,7 +157,7 @@ def cmd_bench(args) -> int:
     target = load_target(args.target, device, dtype)
     needs_draft = any(m.settings.method != "ar" for m in methods)
     drafter = load_drafter(args.draft, target, args.block_size, args.seed) if needs_draft else None
-    records = run_matrix(target, drafter, methods, workloads, lengths, args.repeats, args.warmup, args.stop_at_eos)
+    records = run_matrix(target, drafter, methods, workloads, lengths, args.repeats, warmup, args.stop_at_eos)
     rows = summarize(records, methods)
     draft_name = args.draft if args.draft != "default" else f"default ({target.default_draft})"
     print(f"\ntarget {target.name}, draft {draft_name}, {device} {str(dtype).removeprefix('torch.')}, "

@@ -15,7 +15,7 @@ PROMPTS = {
 
 # New tokens per length: the public runs' values on a GPU, scaled down on a CPU.
 LENGTHS = {"short": 256, "long": 2048}
-CPU_LENGTHS = {"short": 16, "long": 48}
+CPU_LENGTHS = {"short": 16, "long": 32}
 
 SYNTHETIC_PROMPT_TOKENS = 128
 
