@@ -341,6 +341,8 @@ def load_dflash_draft(path: Path, target: Target) -> DFlashDraftModel:
     dflash = raw.get("dflash_config") or {}
     if "DFlashDraftModel" not in (raw.get("architectures") or []) and not dflash and "block_size" not in raw:
         raise EngineError(f"{path}: not a DFlash draft (config.json has no dflash_config or block_size)")
+    if dflash.get("causal"):
+        raise EngineError(f"{path}: causal DFlash drafts are not supported (dflash_config.causal is true)")
     raw = {**raw, "model_type": raw.get("model_type") or "qwen3"}
     hf = _hf_config(raw, str(path))
     files = _safetensors_files(path)
