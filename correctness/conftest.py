@@ -29,6 +29,9 @@ TINY = {
     "qwen3-gqa-untied-sharded": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         hidden_size=80, head_dim=20, intermediate_size=120, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=2, vocab_size=389, tie_word_embeddings=False)),
+    "mistral-gqa": ("MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=64, intermediate_size=72, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=8, vocab_size=199, tie_word_embeddings=False, sliding_window=None)),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         hidden_size=56, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=211, tie_word_embeddings=False)),

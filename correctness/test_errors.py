@@ -235,6 +235,20 @@ def test_broken_checkpoint_is_engine_error(dirs, tmp_path, name):
         load_target(str(d), device="cpu", dtype=torch.float32)
 
 
+@pytest.mark.parametrize("patch", [
+    {"model_type": "mistral", "sliding_window": 16},
+    {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16},
+])
+def test_sliding_window_target_is_refused(dirs, tmp_path, patch):
+    """A target whose attention is windowed would decode differently: refused, not silently run in full."""
+    d = tmp_path / "windowed"
+    shutil.copytree(dirs["target"], d)
+    (d / "config.json").write_text(json.dumps({**_config_of(d), **patch}))
+    with pytest.raises(EngineError) as e:
+        load_target(str(d), device="cpu", dtype=torch.float32)
+    assert_one_line(e, "sliding-window")
+
+
 def test_target_file_not_gguf(tmp_path):
     """A target path that is a plain file (not .gguf) is rejected."""
     f = tmp_path / "weights.bin"

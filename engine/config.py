@@ -69,9 +69,10 @@ class ModelConfig:
 def check_full_attention(hf, where: str) -> None:
     """Targets must use full attention in every layer (sliding-window targets are not supported)."""
     layer_types = getattr(hf, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or (
-        getattr(hf, "use_sliding_window", False) and getattr(hf, "sliding_window", None)
-    ):
+    window = getattr(hf, "sliding_window", None)
+    # Qwen configs carry a sliding_window that only applies with use_sliding_window; Mistral's always applies.
+    windowed = window and (getattr(hf, "use_sliding_window", hf.model_type == "mistral"))
+    if any(t != "full_attention" for t in layer_types) or (windowed and window < hf.max_position_embeddings):
         raise EngineError(f"{where}: sliding-window attention layers are not supported")
 
 

@@ -138,7 +138,7 @@ class Decoder:
         sync(dev)
         t1 = time.perf_counter()
 
-        while len(out) < max_new_tokens and bonus not in stop:
+        while len(out) < max_new_tokens and out[-1] not in stop:
             length = cache.length
             tree = self._draft_tree(tokens[:, :length + 1], features, timer)
             with timer.stage("verify"):
@@ -157,10 +157,9 @@ class Decoder:
             accepted_lengths.append(len(path))
             if record_margins:
                 margins += _margins(logits[path])
-            for i, t in enumerate(new):
+            for t in new:  # commit up to the first stop token or the length limit
                 out.append(t)
                 if t in stop or len(out) == max_new_tokens:
-                    bonus = t
                     break
         sync(dev)
         t2 = time.perf_counter()

@@ -18,7 +18,7 @@ from torch import nn
 
 from .cache import ModelCache, attention_cache
 from .config import ModelConfig
-from .model import MLP, Attention, RMSNorm, Rotary, Transformer
+from .model import Block, RMSNorm, Rotary, Transformer
 
 
 @dataclass
@@ -60,15 +60,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
-class DraftBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class DFlashDraftModel(nn.Module):
     """Parameters of a DFlash draft, named as in the public checkpoints (no embedding, no LM head)."""
 
@@ -78,7 +69,8 @@ class DFlashDraftModel(nn.Module):
         self.dcfg = dcfg
         self.fc = nn.Linear(len(dcfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftBlock(cfg) for _ in range(cfg.num_layers))
+        # Same parameters as a target block; DFlashDrafter.propose runs them with context keys and values.
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
