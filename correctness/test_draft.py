@@ -1,5 +1,5 @@
-"""The DFlash drafter's incremental pass (draft KV cache of earlier context, block entries dropped after each
-call) equals a from-scratch reference of DESIGN.md section 2 written with plain tensor ops."""
+"""The DFlash drafter's incremental pass (draft KV cache of earlier context, padding rows past `count`, block
+entries dropped after each call) equals a from-scratch reference of DESIGN.md section 2 written with plain tensor ops."""
 from __future__ import annotations
 
 import math
@@ -65,7 +65,8 @@ def test_incremental_draft_equals_full_recompute(tiny_checkpoints, layers, block
     drafter.start(prompt_len=9, capacity=64)
     seen = 0
     for new in (9, 1, 4, 7, 1, 8):  # context features committed between calls (prompt, then accepted tokens)
-        got = drafter.propose(DraftInput(tokens[:, :seen + new + 1], features[:, seen:seen + new]))
+        padded = torch.cat((features[:, seen:seen + new], torch.randn(1, 3, F, generator=gen)), dim=1)
+        got = drafter.propose(DraftInput(tokens, torch.tensor(seen + new), padded, torch.tensor(new)))
         seen += new
         want = reference_block_logits(drafter, target.model, features[:, :seen], int(tokens[0, seen]))
         assert got.shape == (block_size - 1, target.model.cfg.vocab_size)

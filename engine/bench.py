@@ -15,6 +15,7 @@ from .decode import DecodeSettings, Decoder
 from .errors import EngineError
 from .exactness import compare_tokens, tolerance_for
 from .loading import Target
+from .oracle import OracleDrafter
 from .workloads import CPU_LENGTHS, LENGTHS, PROMPTS, prompt_ids
 
 DEFAULT_METHODS = ("ar", "dflash", "ddtree-15", "ddtree-16", "ddtree-32", "ddtree-64")
@@ -38,49 +39,65 @@ class Method:
 
 
 def run_matrix(target: Target, drafter, methods: list[Method], workloads: list[str], lengths: dict[str, int],
-               repeats: int = 1, warmup: int = 1, stop_at_eos: bool = False, progress: bool = True) -> list[dict]:
-    """Measure every method on every (workload, length); return one record per combination."""
+               repeats: int = 1, warmup: int = 1, stop_at_eos: bool = False, progress: bool = True,
+               synthetic_miss_rate: float | None = None) -> list[dict]:
+    """Measure every method on every (workload, length); return one record per combination.
+
+    An untimed AR run with logit margins is the reference of each combination: every method's output is
+    checked against it. With `synthetic_miss_rate`, the drafter still runs (real cost) but an oracle built from
+    that reference replaces its proposals (synthetic acceptance, DESIGN.md section 6).
+    """
     from tqdm import tqdm
 
+    oracle = None
+    if synthetic_miss_rate is not None and drafter is not None:
+        longest = max(len(prompt_ids(target, w)) for w in workloads) + max(lengths.values())
+        oracle = OracleDrafter([], target.model.cfg.vocab_size, drafter.block_size, miss_rate=synthetic_miss_rate,
+                               device=target.model.device, cost=drafter, max_length=longest)
+        drafter = oracle
     decoders = {m.name: Decoder(target.model, drafter if m.settings.method != "ar" else None, m.settings)
                 for m in methods}
+    reference_decoder = Decoder(target.model)
     tolerance = tolerance_for(target.model.dtype)
     stop = target.stop_ids if stop_at_eos else ()
-    bar = tqdm(total=len(workloads) * len(lengths) * len(methods) * (repeats + warmup), disable=not progress,
+    bar = tqdm(total=len(workloads) * len(lengths) * (len(methods) * (repeats + warmup) + 1), disable=not progress,
                desc="bench", unit="run", file=sys.stderr)
     records = []
     for workload in workloads:
         ids = prompt_ids(target, workload)
         for length_name, new_tokens in lengths.items():
-            reference = None
-            for m in sorted(methods, key=lambda m: m.name != "ar"):   # AR first: it is the reference
+            bar.set_postfix_str(f"{workload}/{length_name}/reference")
+            reference = reference_decoder.generate(ids, new_tokens, stop, record_margins=True)
+            bar.update()
+            if oracle is not None:
+                oracle.set_reference(ids + reference.tokens)
+            for m in methods:
                 bar.set_postfix_str(f"{workload}/{length_name}/{m.name}")
                 runs = []
-                for i in range(warmup + repeats):
-                    runs.append(decoders[m.name].generate(ids, new_tokens, stop, record_margins=m.name == "ar"))
+                for _ in range(warmup + repeats):
+                    runs.append(decoders[m.name].generate(ids, new_tokens, stop))
                     bar.update()
                 runs = runs[warmup:]
                 first = runs[0]
-                if m.name == "ar":
-                    reference = first
-                verdict = compare_tokens(reference.tokens, reference.margins, first.tokens, tolerance) \
-                    if reference is not None else None
+                verdict = compare_tokens(reference.tokens, reference.margins, first.tokens, tolerance)
                 tok_s = [r.tok_s for r in runs]
                 records.append(dict(
                     workload=workload, length=length_name, method=m.name, prompt_tokens=len(ids),
                     new_tokens=len(first.tokens), tok_s_median=statistics.median(tok_s), tok_s_min=min(tok_s),
                     tok_s_max=max(tok_s), tau=first.tau, rounds=first.rounds,
-                    acceptance_lengths=first.acceptance_lengths, stage_ms=first.stage_ms,
+                    acceptance_lengths=first.acceptance_lengths,
+                    stage_ms={k: statistics.median(r.stage_ms.get(k, 0.0) for r in runs) for k in first.stage_ms},
                     ttft_ms=statistics.median(r.prefill_s for r in runs) * 1e3,
-                    lossless=None if verdict is None else verdict.ok,
-                    exactness=None if verdict is None else verdict.describe(),
+                    lossless=verdict.ok, exactness=verdict.describe(),
+                    acceptance="synthetic" if oracle is not None and m.settings.method != "ar" else "real",
                 ))
     bar.close()
     return records
 
 
-def summarize(records: list[dict], methods: list[Method]) -> list[dict]:
-    """Per method: median tok/s over the matrix, token-weighted tau, speed-up over AR, lossless everywhere."""
+def summarize(records: list[dict], methods: list[Method], roofline_tok_s: float | None = None) -> list[dict]:
+    """Per method: median tok/s over the matrix, token-weighted tau, speed-up over AR, percent of the AR
+    bandwidth roofline (GPU), lossless everywhere."""
     rows = []
     for m in methods:
         mine = [r for r in records if r["method"] == m.name]
@@ -92,15 +109,18 @@ def summarize(records: list[dict], methods: list[Method]) -> list[dict]:
     ar = next((r["tok_s"] for r in rows if r["method"] == "ar"), None)
     for r in rows:
         r["speedup_vs_ar"] = r["tok_s"] / ar if ar else None
+        r["pct_roofline"] = 100 * r["tok_s"] / roofline_tok_s if roofline_tok_s else None
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'method':<11} {'tok/s':>8} {'tau':>6} {'vs AR':>7}  {'lossless':<8}  ms/round (draft tree verify commit)"]
+    lines = [f"{'method':<11} {'tok/s':>8} {'tau':>6} {'vs AR':>7} {'roofline':>8}  {'lossless':<8}  "
+             f"ms/round (draft tree verify commit)"]
     for r in rows:
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
+        pct = f"{r['pct_roofline']:.0f}%" if r.get("pct_roofline") else "-"
         stages = " ".join(f"{r['stage_ms'].get(k, 0.0):.2f}" for k in ("draft", "tree", "verify", "commit"))
-        lines.append(f"{r['method']:<11} {r['tok_s']:>8.1f} {r['tau']:>6.2f} {speedup:>7}  "
+        lines.append(f"{r['method']:<11} {r['tok_s']:>8.1f} {r['tau']:>6.2f} {speedup:>7} {pct:>8}  "
                      f"{'yes' if r['lossless'] else 'NO':<8}  {stages}")
     return "\n".join(lines)
 
@@ -115,3 +135,58 @@ def parse_workloads(text: str) -> list[str]:
     if unknown or not names:
         raise EngineError(f"unknown workload {unknown[0] if unknown else text!r} (choose from {', '.join(PROMPTS)})")
     return names
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step streams (tied weights once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def device_bandwidth(device: torch.device) -> float | None:
+    """Device-memory bandwidth in bytes/s from a large device-to-device copy (read + write), median of 10."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(1 << 29, dtype=torch.uint8, device=device)  # 512 MiB, well past the L2
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times[2:])
+
+
+def hf_generate_tok_s(target: Target, prompt: list[int], new_tokens: int) -> float:
+    """transformers' greedy `generate` on the same weights' architecture: new tokens per second (prefill
+    included), the baseline users would otherwise run."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    dev, dtype = target.model.device, target.model.dtype
+    if target.source is not None:
+        model = AutoModelForCausalLM.from_pretrained(target.source, dtype=dtype).to(dev)
+    else:  # synthetic: random weights of the same shape (speed does not depend on values)
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(target.model.cfg.hf, dtype=dtype)
+    model.eval()
+    ids = torch.tensor([prompt], device=dev)
+
+    def run(n):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+
+    with torch.no_grad():
+        run(4)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run(new_tokens)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    del model
+    return new_tokens / elapsed

@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=None,
                    help="untimed runs per combination first (default: 1 on a GPU, 0 on a CPU)")
     b.add_argument("--stop-at-eos", action="store_true", help="stop at end-of-sequence (default: fixed lengths)")
+    b.add_argument("--acceptance", default="real",
+                   help="real, or synthetic[:MISS_RATE]: the draft runs, an oracle from the AR output replaces its "
+                        "proposals (default miss rate 0.25); results are labelled synthetic")
+    b.add_argument("--hf-baseline", action="store_true",
+                   help="also time transformers' greedy generate on the first workload and length")
     b.add_argument("--json", default="bench-results.json", help="result file")
     return parser
 
@@ -139,9 +144,24 @@ def _parse_lengths(text: str, device) -> dict[str, int]:
     return lengths
 
 
+def _parse_acceptance(text: str) -> float | None:
+    if text == "real":
+        return None
+    kind, _, rate = text.partition(":")
+    try:
+        miss = float(rate) if rate else 0.25
+    except ValueError:
+        miss = -1.0
+    if kind != "synthetic" or not 0.0 <= miss <= 1.0:
+        raise EngineError(f"bad --acceptance {text!r}: real, synthetic or synthetic:MISS_RATE with 0 <= MISS_RATE <= 1")
+    return miss
+
+
 def cmd_bench(args) -> int:
-    from .bench import Method, format_table, parse_workloads, run_matrix, summarize
+    from .bench import (Method, device_bandwidth, format_table, hf_generate_tok_s, parse_workloads, run_matrix,
+                        summarize, weight_bytes)
     from .results import environment, write_json
+    from .workloads import prompt_ids
 
     _check_sizes(args)
     if args.repeats < 1 or (args.warmup is not None and args.warmup < 0):
@@ -153,18 +173,36 @@ def cmd_bench(args) -> int:
         methods.insert(0, Method.parse("ar", args.topk_cap))  # the reference for losslessness and speed-up
     workloads = parse_workloads(args.workloads)
     lengths = _parse_lengths(args.lengths, device)
+    miss_rate = _parse_acceptance(args.acceptance)
     print(f"loading {args.target} ...", file=sys.stderr)
     target = load_target(args.target, device, dtype)
     needs_draft = any(m.settings.method != "ar" for m in methods)
     drafter = load_drafter(args.draft, target, args.block_size, args.seed) if needs_draft else None
-    records = run_matrix(target, drafter, methods, workloads, lengths, args.repeats, warmup, args.stop_at_eos)
-    rows = summarize(records, methods)
+    records = run_matrix(target, drafter, methods, workloads, lengths, args.repeats, warmup, args.stop_at_eos,
+                         synthetic_miss_rate=miss_rate)
+    bandwidth = device_bandwidth(device)
+    roofline = bandwidth / weight_bytes(target.model) if bandwidth else None
+    rows = summarize(records, methods, roofline)
     draft_name = args.draft if args.draft != "default" else f"default ({target.default_draft})"
+    acceptance = "real" if miss_rate is None else f"SYNTHETIC (oracle, miss rate {miss_rate})"
     print(f"\ntarget {target.name}, draft {draft_name}, {device} {str(dtype).removeprefix('torch.')}, "
-          f"lengths {lengths}, workloads {','.join(workloads)}")
+          f"lengths {lengths}, workloads {','.join(workloads)}, acceptance {acceptance}")
+    if roofline:
+        print(f"roofline: {bandwidth / 1e12:.2f} TB/s measured copy bandwidth / {weight_bytes(target.model) / 1e9:.2f}"
+              f" GB of weights = {roofline:.0f} AR tok/s")
     print(format_table(rows))
+    hf = None
+    if args.hf_baseline:
+        (name, new_tokens), workload = next(iter(lengths.items())), workloads[0]
+        hf = dict(workload=workload, length=name, tok_s=hf_generate_tok_s(target, prompt_ids(target, workload),
+                                                                          new_tokens))
+        ar = next(r["tok_s"] for r in rows if r["method"] == "ar")
+        print(f"transformers generate ({workload}/{name}): {hf['tok_s']:.1f} tok/s; engine AR is "
+              f"{ar / hf['tok_s']:.1f}x that")
     write_json(args.json, dict(environment=environment(device), target=target.name, draft=draft_name,
-                               dtype=str(dtype), lengths=lengths, summary=rows, runs=records))
+                               dtype=str(dtype), lengths=lengths, acceptance=acceptance, bandwidth_bytes_s=bandwidth,
+                               weight_bytes=weight_bytes(target.model), roofline_tok_s=roofline, hf_generate=hf,
+                               summary=rows, runs=records))
     print(f"results: {args.json}")
     if not all(r["lossless"] for r in rows):
         print("error: a speculative method diverged from greedy AR output (see 'exactness' in the results)",

@@ -1,8 +1,11 @@
 """Greedy decoding three ways, one loop: autoregressive, DFlash (a verified chain) and DDTree (a verified tree).
 
 Every round verifies [bonus token, draft nodes...] in one target pass, walks the target's greedy choices
-through the draft, commits the accepted rows of the cache and one new bonus token. Autoregressive decoding is
-the round with no draft nodes; DFlash verifies the draft's argmax chain; DDTree verifies a best-first tree.
+through the draft, keeps the accepted cache rows and one new bonus token. AR is the round with no draft nodes;
+DFlash verifies the draft's argmax chain; DDTree verifies a best-first tree. A round is four stages (draft,
+tree, verify, commit) that only touch device tensors of fixed shapes, so on a GPU each stage is captured once
+as a CUDA graph and replayed; the host reads one small tensor per round (how many tokens were accepted, and
+which) to decide when to stop.
 """
 from __future__ import annotations
 
@@ -11,13 +14,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.tree_ops import build_tree, compact_kv, walk_tree
+
 from .draft import DraftInput, Drafter
 from .errors import EngineError
 from .model import Transformer
 from .timing import StageTimer, sync
-from .tree import DraftTree, build_tree, chain
 
 METHODS = ("ar", "dflash", "ddtree")
+STAGES = ("draft", "tree", "verify", "commit")
 
 
 @dataclass
@@ -63,21 +68,59 @@ class DecodeSettings:
                 raise EngineError(f"block size must be >= 2 for {self.method}, got {drafter.block_size}")
 
 
-def causal_mask(prefix: int, local: torch.Tensor) -> torch.Tensor:
-    """[T, prefix + T] mask: every new token sees the committed prefix, and the new tokens `local` allows."""
-    t = local.shape[0]
-    return torch.cat((torch.ones(t, prefix, dtype=torch.bool, device=local.device), local), dim=1)
+@dataclass
+class RoundTree:
+    """Draft nodes of one round on the device, padded to a fixed count: node i+1 has tokens[i], parents[i]
+    (an index into [root, nodes]) and depths[i]; visible is the ancestor-or-self mask over [root, nodes]."""
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    visible: torch.Tensor
+    count: torch.Tensor
+
+    @classmethod
+    def chain(cls, n: int, device) -> "RoundTree":
+        """A linear block of n nodes; DFlash fills in the tokens."""
+        ar = torch.arange(n + 1, device=device)
+        return cls(torch.zeros(n, dtype=torch.long, device=device), ar[:-1].clone(), ar[1:].clone(),
+                   torch.ones(n + 1, n + 1, dtype=torch.bool, device=device).tril(),
+                   torch.tensor(n, device=device))
 
 
 class Decoder:
-    """Greedy decoding of one target with an optional drafter."""
+    """Greedy decoding of one target with an optional drafter; CUDA graphs on a GPU."""
 
-    def __init__(self, target: Transformer, drafter: Drafter | None = None, settings: DecodeSettings = DecodeSettings()):
+    def __init__(self, target: Transformer, drafter: Drafter | None = None, settings: DecodeSettings = DecodeSettings(),
+                 cuda_graphs: bool | None = None):
         settings.validate(drafter)
-        self.target, self.drafter, self.settings = target, drafter, settings
+        self.target, self.settings = target, settings
         self.speculative = settings.method != "ar" and not (settings.method == "ddtree" and settings.budget == 0)
+        self.drafter = drafter if self.speculative else None
+        self.block = drafter.block_size if self.speculative else 1
+        self.nodes = 0 if not self.speculative else self.block - 1 if settings.method == "dflash" else settings.budget
         self.capture = tuple(drafter.feature_layers) if self.speculative else ()
-        self._cache = None
+        on_gpu = target.device.type == "cuda"
+        graphable = not self.speculative or drafter.graphable
+        self.cuda_graphs = (on_gpu and graphable) if cuda_graphs is None else (cuda_graphs and on_gpu and graphable)
+        self.capacity = 0
+        self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
+
+    # ------------------------------------------------------------------------------------------------ buffers
+
+    def _allocate(self, capacity: int) -> None:
+        capacity = -(-capacity // 256) * 256  # round up: fewer re-allocations (and graph captures)
+        dev, B = self.target.device, self.block
+        self.capacity = capacity
+        self.cache = self.target.new_cache(capacity)
+        self.tokens = torch.zeros(1, capacity + B + 1, dtype=torch.long, device=dev)
+        self.round_out = torch.zeros(1 + B, dtype=torch.long, device=dev)   # [accepted, new tokens...]
+        self.count = torch.zeros((), dtype=torch.long, device=dev)
+        width = len(self.capture) * self.target.cfg.hidden_size
+        self.features = torch.zeros(1, B, width, dtype=self.target.dtype, device=dev) if self.capture else None
+        self.offsets = torch.arange(B + 1, device=dev)
+        self.zero = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tree = RoundTree.chain(self.nodes, dev)   # AR: no nodes; DFlash: the chain; DDTree: replaced per round
+        self.graphs = None
 
     def _check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         cfg = self.target.cfg
@@ -92,15 +135,60 @@ class Decoder:
             raise EngineError(f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
                               f"the target's position limit of {cfg.max_position}")
 
-    def _draft_tree(self, tokens: torch.Tensor, features, timer: StageTimer) -> DraftTree:
-        if not self.speculative:
-            return DraftTree([], [], [])
-        with timer.stage("draft"):
-            logits = self.drafter.propose(DraftInput(tokens, features))
-        with timer.stage("tree"):
-            if self.settings.method == "dflash":
-                return chain(logits.argmax(-1).tolist())
-            return build_tree(logits, self.settings.budget, self.settings.topk_cap)
+    # ------------------------------------------------------------------------------------------------ stages
+
+    def _stage_draft(self) -> None:
+        self.draft_logits = self.drafter.propose(self.draft_input)
+
+    def _stage_tree(self) -> None:
+        if self.settings.method == "dflash":
+            self.tree.tokens.copy_(self.draft_logits.argmax(-1))
+            return
+        k = min(self.settings.budget, self.settings.topk_cap, self.draft_logits.shape[-1])
+        logp, ids = torch.log_softmax(self.draft_logits.float(), dim=-1).topk(k, dim=-1)
+        self.tree = RoundTree(*build_tree(logp, ids, self.settings.budget))
+
+    def _stage_verify(self) -> None:
+        tree, start = self.tree, self.cache.start
+        bonus = self.tokens[0].index_select(0, start.view(1))
+        self.verify_ids = torch.cat((bonus, tree.tokens))
+        positions = start + torch.cat((self.zero, tree.depths))
+        hidden, self.verify_features = self.target(self.verify_ids[None], positions[None], self.cache, tree.visible,
+                                                   self.capture)
+        self.verify_logits = self.target.logits(hidden[0])
+        self.posterior = self.verify_logits.argmax(-1)
+
+    def _stage_commit(self) -> None:
+        tree, cache, B = self.tree, self.cache, self.block
+        self.path, accepted, bonus = walk_tree(self.posterior, tree.tokens, tree.parents, tree.count, B - 1)
+        compact_kv(cache.k, cache.v, cache.start, self.path, accepted)
+        # New tokens: the accepted nodes' tokens, then the bonus (entries past `accepted` are padding).
+        new = torch.cat((self.verify_ids.index_select(0, self.path[1:]), self.zero))
+        new.index_copy_(0, (accepted - 1).view(1), bonus.view(1))
+        self.tokens[0].index_copy_(0, cache.start + 1 + self.offsets[:B], new)
+        if self.capture:
+            self.features[0].copy_(self.verify_features[0].index_select(0, self.path))
+            self.count.copy_(accepted)
+        cache.start.add_(accepted)
+        self.round_out.copy_(torch.cat((accepted.view(1), new)))
+
+    def _stages(self) -> dict:
+        stages = {"verify": self._stage_verify, "commit": self._stage_commit}
+        if self.speculative:
+            stages = {"draft": self._stage_draft, "tree": self._stage_tree, **stages}
+        return stages
+
+    def _capture(self) -> None:
+        """Record each stage once as a CUDA graph over the static buffers (after an eager warm-up round)."""
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs = {}
+        for name, stage in self._stages().items():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                stage()
+            self.graphs[name] = graph
+
+    # ------------------------------------------------------------------------------------------------ decode
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids=(), record_margins: bool = False
@@ -109,62 +197,67 @@ class Decoder:
         target, dev = self.target, self.target.device
         stop = set(stop_ids)
         n_prompt = len(prompt_ids)
-        slack = (self.settings.budget if self.settings.method == "ddtree" else 0) + \
-            (self.drafter.block_size if self.speculative else 0) + 1
-        capacity = n_prompt + max_new_tokens + slack
-        if self._cache is None or self._cache.capacity < capacity:
-            self._cache = target.new_cache(capacity)
-        cache = self._cache
-        cache.rollback(0)
+        needed = n_prompt + max_new_tokens + self.nodes + self.block + 1
+        drafter_cache = getattr(self.drafter, "cache", None)
+        if needed > self.capacity:
+            self._allocate(needed)
+        self.cache.reset()
         if self.speculative:
-            self.drafter.start(n_prompt, capacity)
+            self.drafter.start(n_prompt, self.capacity)
+            if getattr(self.drafter, "cache", None) is not drafter_cache:
+                self.graphs = None  # the drafter's buffers moved: graphs captured over the old ones are stale
+        use_graphs = self.cuda_graphs and not record_margins
         timer = StageTimer(dev)
-        tokens = torch.zeros(1, capacity, dtype=torch.long, device=dev)  # committed ids, then the bonus
-        tokens[0, :n_prompt] = torch.tensor(prompt_ids, device=dev)
         margins: list[float] = []
 
         sync(dev)
         t0 = time.perf_counter()
-        positions = torch.arange(n_prompt, device=dev)[None]
-        local = torch.ones(n_prompt, n_prompt, dtype=torch.bool, device=dev).tril()
-        hidden, features = target(tokens[:, :n_prompt], positions, cache, causal_mask(0, local), self.capture)
-        cache.commit(n_prompt)
+        prompt = torch.tensor(prompt_ids, device=dev)
+        self.tokens[0, :n_prompt] = prompt
+        causal = torch.ones(n_prompt, n_prompt, dtype=torch.bool, device=dev).tril()
+        hidden, features = target(prompt[None], torch.arange(n_prompt, device=dev)[None], self.cache, causal,
+                                  self.capture)
+        self.cache.start.fill_(n_prompt)
         logits = target.logits(hidden[0, -1:])
-        bonus = int(logits.argmax(-1))
+        bonus = logits.argmax(-1)
+        self.tokens[0, n_prompt] = bonus[0]
+        out, accepted_lengths = [int(bonus)], []
         if record_margins:
             margins += _margins(logits)
-        out, accepted_lengths = [bonus], []
-        tokens[0, n_prompt] = bonus
         sync(dev)
         t1 = time.perf_counter()
 
+        if self.speculative:  # the first round reads the prompt's features; later rounds the static buffer
+            self.draft_input = DraftInput(self.tokens, self.cache.start, features,
+                                          torch.tensor(n_prompt, device=dev))
+        rounds = 0
         while len(out) < max_new_tokens and out[-1] not in stop:
-            length = cache.length
-            tree = self._draft_tree(tokens[:, :length + 1], features, timer)
-            with timer.stage("verify"):
-                ids = torch.tensor([bonus] + tree.tokens, device=dev)[None]
-                positions = length + torch.tensor([0] + tree.depths, device=dev)[None]
-                mask = causal_mask(length, tree.ancestor_mask(dev)) if len(tree) else None
-                hidden, all_features = target(ids, positions, cache, mask, self.capture)
-                logits = target.logits(hidden[0])
-                posterior = logits.argmax(-1).tolist()
-            with timer.stage("commit"):
-                path, bonus = tree.walk(posterior)
-                cache.keep(path)
-                features = all_features[:, path] if self.capture else None
-                new = [tree.tokens[i - 1] for i in path[1:]] + [bonus]
-                tokens[0, length + 1:length + 1 + len(new)] = torch.tensor(new, device=dev)
-            accepted_lengths.append(len(path))
+            # Round 0 reads the prompt's features, round 1 warms up the static buffers, then graphs take over.
+            if use_graphs and rounds == 2 and self.graphs is None:
+                self._capture()
+            replay = use_graphs and rounds >= 1 and self.graphs is not None
+            for name, stage in self._stages().items():
+                with timer.stage(name):
+                    if replay:
+                        self.graphs[name].replay()
+                    else:
+                        stage()
+            if self.speculative and rounds == 0:
+                self.draft_input = DraftInput(self.tokens, self.cache.start, self.features, self.count)
+            rounds += 1
+            result = self.round_out.tolist()  # the round's one host synchronisation
+            accepted, new = result[0], result[1:1 + result[0]]
+            accepted_lengths.append(accepted)
             if record_margins:
-                margins += _margins(logits[path])
+                margins += _margins(self.verify_logits.index_select(0, self.path[:accepted]))
             for t in new:  # commit up to the first stop token or the length limit
                 out.append(t)
                 if t in stop or len(out) == max_new_tokens:
                     break
         sync(dev)
         t2 = time.perf_counter()
-        rounds = max(1, len(accepted_lengths))
-        stage_ms = {k: v / rounds for k, v in timer.totals_ms().items()}
+        per_round = max(1, rounds)
+        stage_ms = {k: v / per_round for k, v in timer.totals_ms().items()}
         return GenerationResult(out, accepted_lengths, stage_ms, t1 - t0, t2 - t1,
                                 margins[:len(out)] if record_margins else None)
 

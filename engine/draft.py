@@ -1,12 +1,12 @@
 """Drafters: what proposes the next block of tokens.
 
-The decode loop talks to a drafter through `Drafter`: `start` once per sequence, then `propose` once per round
-with the committed tokens (the last one is the bonus token the round starts from) and the target's context
-features of the tokens committed since the previous call. It returns draft logits for the block_size - 1
-positions after the bonus; DFlash verifies their argmax as a chain, DDTree builds a tree from their top-k.
+The decode loop talks to a drafter through `Drafter`: `start` once per sequence, then `propose` once per round.
+A proposal is draft logits for the block_size - 1 positions after the bonus token; DFlash verifies their argmax
+as a chain, DDTree builds a tree from their top-k.
 
 `DFlashDrafter` runs a DFlash block-diffusion draft model (public checkpoint format, DESIGN.md section 2):
 one non-causal pass over [context features, bonus, mask, ..., mask], with the target's embedding and LM head.
+It keeps its state on the device and never reads a tensor on the host, so a round can be a CUDA graph.
 """
 from __future__ import annotations
 
@@ -14,17 +14,32 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .cache import ModelCache, attention_cache
+from kernels.tree_attention import tree_attention
+
+from .cache import ModelCache
 from .config import ModelConfig
-from .model import Block, RMSNorm, Rotary, Transformer
+from .model import Block, RMSNorm, Rotary, Transformer, fuse_projections
 
 
 @dataclass
 class DraftInput:
-    tokens: torch.Tensor            # [1, n] committed ids, prompt included; tokens[:, -1] is the bonus token
-    features: torch.Tensor | None   # [1, m, F] target features of the m tokens before the bonus not yet seen
+    """What a round knows when it drafts. Tensors live on the target's device; buffers may be longer than used.
+
+    tokens[0, :length + 1] are the committed ids, prompt included; tokens[0, length] is the bonus token the round
+    starts from (not yet in the target's cache). features[0, :count] are the target's context features (outputs
+    of `feature_layers`) of the tokens committed since the previous call; rows past `count` are padding.
+    """
+    tokens: torch.Tensor            # [1, capacity] long
+    length: torch.Tensor            # 0-d long
+    features: torch.Tensor | None   # [1, n, F]
+    count: torch.Tensor             # 0-d long, <= n
+
+    def context_ids(self) -> list[int]:
+        """The committed ids and the bonus token, on the host (a sync: for simple drafters)."""
+        return self.tokens[0, :int(self.length) + 1].tolist()
 
 
 class Drafter(ABC):
@@ -32,6 +47,7 @@ class Drafter(ABC):
 
     block_size: int                        # tokens per block, the bonus token included
     feature_layers: tuple[int, ...] = ()   # target layers whose outputs `propose` receives as features
+    graphable: bool = False                # propose() never syncs with the host: a CUDA graph may capture it
 
     @abstractmethod
     def start(self, prompt_len: int, capacity: int) -> None:
@@ -75,8 +91,11 @@ class DFlashDraftModel(nn.Module):
 
 
 class DFlashDrafter(Drafter):
+    graphable = True
+
     def __init__(self, draft: DFlashDraftModel, target: Transformer, block_size: int | None = None):
         self.draft = draft.eval().requires_grad_(False)
+        fuse_projections(draft.layers)
         self.target = target
         dcfg = draft.dcfg
         self.block_size = dcfg.block_size if block_size is None else block_size
@@ -85,37 +104,54 @@ class DFlashDrafter(Drafter):
         self.windows = dcfg.sliding_window
         self.rotary = Rotary(dcfg.layers.hf, dcfg.layers.head_dim, target.device)
         self.cache: ModelCache | None = None
+        dev = target.device
+        self.block_offsets = torch.arange(max(self.block_size, 1), device=dev)
+        self.block_visible = torch.ones(self.block_size, self.block_size, dtype=torch.bool, device=dev)
+        self.mask_ids = torch.full((max(self.block_size - 1, 0),), self.mask_token_id, dtype=torch.long, device=dev)
 
     def start(self, prompt_len: int, capacity: int) -> None:
         if self.cache is None or self.cache.capacity < capacity:
             cfg = self.draft.dcfg.layers
-            self.cache = attention_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity,
-                                         self.target.dtype, self.target.device)
-        self.cache.rollback(0)
+            self.cache = ModelCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.target.dtype,
+                                    self.target.device)
+        self.cache.reset()
 
     @torch.no_grad()
     def propose(self, inp: DraftInput) -> torch.Tensor:
-        cache, B = self.cache, self.block_size
-        ctx = self.draft.hidden_norm(self.draft.fc(inp.features))             # [1, m, hidden]
-        m, start = ctx.shape[1], cache.length
-        cache.check_room(m + B)
-        block = torch.full((1, B), self.mask_token_id, dtype=torch.long, device=ctx.device)
-        block[:, 0] = inp.tokens[:, -1]
-        x = self.target.embed_tokens(block)
-        positions = torch.arange(start, start + m + B, device=ctx.device)[None]
-        cos, sin = self.rotary(positions, x.dtype)
-        q_cos, q_sin = cos[:, :, m:], sin[:, :, m:]
+        cache, B, dev = self.cache, self.block_size, self.target.device
+        ctx = self.draft.hidden_norm(self.draft.fc(inp.features))            # [1, n, hidden]
+        n = ctx.shape[1]
+        # Context rows go to slots start..start+n-1 (padding rows past `count` included); the block follows the
+        # real context and overwrites the padding. Slot = absolute position: the context is contiguous.
+        ctx_pos = cache.start + torch.arange(n, device=dev)
+        block_start = cache.start + inp.count
+        block_pos = block_start + self.block_offsets[:B]
+        bonus = inp.tokens[0].index_select(0, inp.length.view(1))
+        x = self.target.embed_tokens(torch.cat((bonus, self.mask_ids))[None])
+        cos_c, sin_c = self.rotary(ctx_pos[None], x.dtype)
+        cos_b, sin_b = self.rotary(block_pos[None], x.dtype)
         for layer, layer_cache, window in zip(self.draft.layers, cache.layers, self.windows):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            k, v = attn.key_value(torch.cat((ctx, h), dim=1), cos, sin)
-            k, v = layer_cache.store(start, k, v)
-            mask = None
-            if window is not None:  # a query at position p sees keys at positions > p - window
-                key_pos = torch.arange(start + m + B, device=x.device)
-                mask = key_pos[None, :] > positions[0, m:, None] - window
-            x = x + attn.attend(attn.query(h, q_cos, q_sin), k, v, mask)
+            layer_cache.write(ctx_pos, *attn.key_value(ctx, cos_c, sin_c))
+            layer_cache.write(block_pos, *attn.key_value(h, cos_b, sin_b))
+            q = attn.query(h, cos_b, sin_b)
+            if window is None:
+                o = tree_attention(q, layer_cache.k, layer_cache.v, block_start, self.block_visible)
+            else:
+                o = _windowed_attention(q, layer_cache, block_start, block_pos, window)
+            x = x + attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        cache.commit(m)  # keep the context entries, drop the block's
+        cache.start.add_(inp.count)  # keep the context rows, drop the block's
         return self.target.logits(self.draft.norm(x[0, 1:]))
 
+
+def _windowed_attention(q, layer_cache, block_start, block_pos, window: int) -> torch.Tensor:
+    """A sliding-window draft layer: a block query at position p sees keys at positions in (p - window,
+    block_start + B). Masked attention over the whole cache, computed without host reads."""
+    keys = torch.arange(layer_cache.k.shape[2], device=q.device)
+    end = block_pos[-1] + 1
+    mask = (keys[None, :] < end) & (keys[None, :] > block_pos[:, None] - window)
+    o = F.scaled_dot_product_attention(q.float(), layer_cache.k.float(), layer_cache.v.float(), attn_mask=mask,
+                                       enable_gqa=q.shape[1] != layer_cache.k.shape[1])
+    return o.to(q.dtype)

@@ -32,6 +32,7 @@ class Target:
     tokenizer: object | None
     name: str
     default_draft: str | None = None   # what `--draft default` means for this target
+    source: Path | None = None         # the HF directory the weights came from (None: synthetic)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -197,7 +198,7 @@ def load_hf_target(path: Path, device, dtype, name: str) -> Target:
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
     model = _tie(_empty(lambda: Transformer(cfg), device, dtype))
     _fill(model, files, str(path))
-    return Target(model.ready(), _load_tokenizer(path), name)
+    return Target(model.ready(), _load_tokenizer(path), name, source=path)
 
 
 def _generation_eos(path: Path) -> tuple[int, ...]:

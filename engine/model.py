@@ -1,8 +1,8 @@
 """The engine's own Llama/Qwen-family decoder: GQA attention over a preallocated cache, RoPE, SwiGLU MLP.
 
 Parameter names follow the Hugging Face checkpoints (minus the leading "model."), so a safetensors state dict
-loads directly. Attention takes an explicit boolean mask over [committed prefix, new tokens]: causal for
-prefill and linear verification, ancestor-only for tree verification.
+loads directly. New tokens see the whole committed prefix plus the new rows their `node_mask` allows: causal
+for prefill and linear verification, ancestor-only for tree verification (kernels/tree_attention.py).
 """
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import AttentionLayerCache, ModelCache, attention_cache
+from kernels.tree_attention import tree_attention
+
+from .cache import AttentionLayerCache, ModelCache
 from .config import ModelConfig, rope_inv_freq
 
 
@@ -61,29 +63,45 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
+    def fuse(self) -> None:
+        """One GEMM for q, k and v: the three weights become views of one concatenated matrix."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fused(projections, "weight")
+        self.qkv_bias = _fused(projections, "bias")
+        self.q_size = self.q_proj.out_features
+
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, hidden] -> rotated queries [B, heads, T, head_dim], rotated keys and values [B, kv_heads, T, head_dim]."""
+        q, kv = F.linear(x, self.qkv_weight, self.qkv_bias).split([self.q_size, self.qkv_weight.shape[0] - self.q_size], -1)
+        return self._query(q, cos, sin), *self._key_value(kv, cos, sin)
+
     def query(self, x, cos, sin) -> torch.Tensor:
-        """[B, T, hidden] -> rotated queries [B, heads, T, head_dim]."""
-        q = self.q_proj(x).view(*x.shape[:2], self.num_heads, self.head_dim)
+        return self._query(F.linear(x, self.qkv_weight[:self.q_size], _part(self.qkv_bias, None, self.q_size)), cos, sin)
+
+    def key_value(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._key_value(F.linear(x, self.qkv_weight[self.q_size:], _part(self.qkv_bias, self.q_size, None)),
+                               cos, sin)
+
+    def _query(self, q, cos, sin) -> torch.Tensor:
+        q = q.view(*q.shape[:2], self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rotary(q.transpose(1, 2), cos, sin)
 
-    def key_value(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T, hidden] -> rotated keys and values [B, kv_heads, T, head_dim]."""
-        k = self.k_proj(x).view(*x.shape[:2], self.num_kv_heads, self.head_dim)
+    def _key_value(self, kv, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = kv.view(*kv.shape[:2], 2 * self.num_kv_heads, self.head_dim).chunk(2, dim=2)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        v = self.v_proj(x).view(*x.shape[:2], self.num_kv_heads, self.head_dim)
         return apply_rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
-    def attend(self, q, k, v, mask) -> torch.Tensor:
-        """Queries [B, H, T, D] over keys [B, KVH, S, D] with a boolean mask [.., T, S] -> [B, T, hidden]."""
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(o.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, H, T, D] -> [B, T, hidden]."""
+        return self.o_proj(o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))
 
-    def forward(self, x, cos, sin, layer_cache: AttentionLayerCache, start: int, mask) -> torch.Tensor:
-        k, v = layer_cache.store(start, *self.key_value(x, cos, sin))
-        return self.attend(self.query(x, cos, sin), k, v, mask)
+    def forward(self, x, cos, sin, layer_cache: AttentionLayerCache, slots, start, node_mask) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        layer_cache.write(slots, k, v)
+        return self.out(tree_attention(q, layer_cache.k, layer_cache.v, start, node_mask))
 
 
 class MLP(nn.Module):
@@ -93,8 +111,31 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
+    def fuse(self) -> None:
+        """One GEMM for gate and up: both weights become views of one concatenated matrix."""
+        self.gate_up_weight = _fused((self.gate_proj, self.up_proj), "weight")
+        self.gate_up_bias = _fused((self.gate_proj, self.up_proj), "bias")
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _fused(linears, name: str) -> torch.Tensor | None:
+    """Concatenate a parameter of several linears along the output dimension and re-point each at its slice."""
+    if getattr(linears[0], name) is None:
+        return None
+    fused = torch.cat([getattr(m, name).data for m in linears])
+    offset = 0
+    for m in linears:
+        part = getattr(m, name)
+        part.data = fused[offset:offset + part.shape[0]]
+        offset += part.shape[0]
+    return fused
+
+
+def _part(t: torch.Tensor | None, lo, hi) -> torch.Tensor | None:
+    return None if t is None else t[lo:hi]
 
 
 class Block(nn.Module):
@@ -105,9 +146,15 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer_cache, start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, start, mask)
+    def forward(self, x, cos, sin, layer_cache, slots, start, node_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, slots, start, node_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def fuse_projections(blocks) -> None:
+    for block in blocks:
+        block.self_attn.fuse()
+        block.mlp.fuse()
 
 
 class Transformer(nn.Module):
@@ -125,7 +172,9 @@ class Transformer(nn.Module):
         self.rotary: Rotary | None = None  # built by `ready`, once the model sits on its device
 
     def ready(self) -> "Transformer":
+        """Called once the weights are in place: fuse projections, build the RoPE tables."""
         self.rotary = Rotary(self.cfg.hf, self.cfg.head_dim, self.embed_tokens.weight.device)
+        fuse_projections(self.layers)
         return self.eval().requires_grad_(False)
 
     @property
@@ -138,22 +187,24 @@ class Transformer(nn.Module):
 
     def new_cache(self, capacity: int, batch: int = 1) -> ModelCache:
         c = self.cfg
-        return attention_cache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device, batch)
+        return ModelCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device, batch)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: ModelCache, mask: torch.Tensor | None,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: ModelCache, node_mask: torch.Tensor,
                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens, positions [B, T]; mask [T, length+T] (None: every query sees every key).
+        """Run T new tokens after the cache's committed prefix.
 
-        Writes the T new key/value rows after the committed prefix (committing is the caller's `cache.keep`).
-        Returns the final-normed hidden states [B, T, hidden] and the concatenated outputs of the `capture`
-        layers [B, T, len(capture) * hidden] (None when nothing is captured).
+        tokens, positions [B, T]; node_mask [T, T] bool: the new rows each new row sees (every new row sees the
+        whole committed prefix). Writes the new key/value rows at slots start..start+T-1 (keeping them is the
+        caller's business). Returns the final-normed hidden states [B, T, hidden] and the concatenated outputs
+        of the `capture` layers [B, T, len(capture) * hidden] (None when nothing is captured).
         """
-        cache.check_room(tokens.shape[1])
+        start = cache.start
+        slots = start + torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         captured = {}
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
-            x = layer(x, cos, sin, layer_cache, cache.length, mask)
+            x = layer(x, cos, sin, layer_cache, slots, start, node_mask)
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None

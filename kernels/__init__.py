@@ -1,5 +1,9 @@
 """Triton kernels of the engine's GPU path, each beside a plain PyTorch reference of the same function.
 
-None yet: the engine runs on its PyTorch model code (engine/). The GPU-path issue adds tree-verify attention,
-KV-cache compaction, the tree builder and the tree walk here.
+- tree_attention: queries are a draft tree's nodes, keys the committed cache plus the nodes, an ancestor mask
+  decides visibility (split along the keys for long contexts);
+- tree_ops: best-first tree build, the walk, and KV-cache compaction for all layers in one launch.
+
+Each public function dispatches to its Triton kernel for CUDA tensors and to the reference otherwise;
+ENGINE_DISABLE_TRITON=1 forces the references everywhere.
 """

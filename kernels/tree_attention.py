@@ -1,0 +1,348 @@
+"""Tree-verify attention: T new query rows over a preallocated KV cache, with an ancestor mask among the new rows.
+
+DDTree verifies a whole draft tree in one target pass. The queries are the tree's nodes (root = the bonus token,
+then the draft nodes, every parent before its children); the keys are the committed cache rows 0..start-1 plus the
+nodes' own rows start..start+T-1, which the caller has already written into the cache. Every node sees the whole
+committed prefix; among the new rows, node i sees node j iff node_mask[i, j] (j is i or one of its ancestors).
+Rows at or past start+T (stale rows of earlier rounds, unused capacity) are invisible. A linear block (DFlash
+verify, a causal prefill chunk) is the special case of a lower-triangular mask, and T = 1 is plain decoding.
+
+    out[b, h, i] = softmax_j( q[b, h, i] . k[b, h // G, j] / sqrt(D) ; j < start or node_mask[i, j - start] ) @ v
+
+with G = H // KVH query heads per kv head (GQA), softmax and accumulation in float32, `out` in q's dtype.
+
+Three entry points:
+
+- `tree_attention_reference`: plain PyTorch (scaled_dot_product_attention), for tests and the CPU path.
+- `tree_attention_triton`: a flash-decoding style Triton kernel. `start` is read on the device, never on the host,
+  and the launch grid depends only on static shapes, so the call can be captured in a CUDA graph and replayed
+  with `start` changed in place.
+- `tree_attention`: the dispatcher used by the engine (Triton on CUDA for T <= 128, else the reference).
+  `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) or `use_triton=False` forces the reference.
+
+Kernel design (`_tree_attn_fwd`): grid (B * KVH, query tiles, key splits). One program owns one kv head and a
+tile of TILE_T query rows; its BLOCK_M = TILE_T * G rows (all G query heads of that kv head, padded to a power of
+two >= 16 with masked rows) share every K/V block it loads, so the cache is read once per kv head and query tile.
+Split s covers keys [s * SPLIT, (s + 1) * SPLIT) clipped to [0, start + T); the program walks it in BLOCK_N key
+blocks (tl.dot for Q K^T and P V, M, N and the padded head dim all >= 16) with an online softmax in base 2
+(running max, running sum, unnormalised float32 accumulator). Each block is masked by the rules above: keys below
+`start` are visible, key start + j is visible to row t iff node_mask[t, j], keys at or past start + T are never
+loaded and the loop stops before blocks beyond them. The loop comes in two parts: whole blocks inside the committed
+prefix (the bulk of the work: no key masking, no node_mask reads), then the few remaining blocks (the one crossing
+`start`, the new rows, the end of the range) with the full masking. The number of splits is cdiv(CAP, SPLIT): it does not depend on `start`, and a split that starts at or
+past start + T runs no iteration and writes a neutral partial (max -inf, sum 0, acc 0). With one split the kernel
+normalises and writes `out` directly; otherwise `_tree_attn_merge` combines the partials of BLOCK_R output rows
+split by split (log-sum-exp merge; neutral partials weigh 0 and a running max of -inf is never subtracted from
+itself, so no NaN). The block body is written inline rather than as a @triton.jit helper: under
+TRITON_INTERPRET=1 every device-function call re-patches triton.language, which made the CPU tests several times
+slower.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (a CPU-only platform without wheels): the reference is the only path
+    triton = None
+    tl = None
+
+BLOCK_N = 64        # keys per inner-loop block
+SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)
+BLOCK_M_TARGET = 64  # query rows (T tile x G heads) per program, before padding to a power of two
+MAX_TRITON_T = 128  # the dispatcher uses the kernel up to this many new rows
+
+
+def _check_shapes(q, k_cache, v_cache, node_mask):
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"expected q [B, H, T, D] and k_cache = v_cache [B, KVH, CAP, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    B, H, T, D = q.shape
+    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(f"q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)} disagree on batch or head_dim")
+    if H % k_cache.shape[1] != 0:
+        raise ValueError(f"query heads {H} not a multiple of kv heads {k_cache.shape[1]}")
+    if tuple(node_mask.shape) != (T, T):
+        raise ValueError(f"node_mask must be [{T}, {T}], got {tuple(node_mask.shape)}")
+
+
+def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start,
+                             node_mask: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch tree attention (reads `start` on the host). Computes in float32 (float64 for float64 inputs)."""
+    _check_shapes(q, k_cache, v_cache, node_mask)
+    start = int(start)
+    B, H, T, D = q.shape
+    kvh = k_cache.shape[1]
+    end = start + T
+    if end > k_cache.shape[2]:
+        raise ValueError(f"start + T = {end} exceeds the cache capacity {k_cache.shape[2]}")
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k = k_cache[:, :, :end].to(compute)
+    v = v_cache[:, :, :end].to(compute)
+    if H != kvh:  # GQA: query head h reads kv head h // (H // KVH)
+        k = k.repeat_interleave(H // kvh, dim=1)
+        v = v.repeat_interleave(H // kvh, dim=1)
+    mask = torch.ones(T, end, dtype=torch.bool, device=q.device)
+    mask[:, start:] = node_mask.to(device=q.device, dtype=torch.bool)
+    out = F.scaled_dot_product_attention(q.to(compute), k, v, attn_mask=mask)
+    return out.to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tree_attn_fwd(q_ptr, k_ptr, v_ptr, start_ptr, nm_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr,
+                       B, T, CAP, H, KVH, qk_scale,
+                       stride_qb, stride_qh, stride_qt,
+                       stride_kb, stride_kh, stride_kn,
+                       stride_vb, stride_vh, stride_vn,
+                       stride_nm0, stride_nm1,
+                       stride_ob, stride_oh, stride_ot,
+                       G: tl.constexpr, TILE_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLIT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+                       FP32_DOT: tl.constexpr, ROUND_P: tl.constexpr, WRITE_OUT: tl.constexpr):
+        """Program (b * KVH + kv head, query tile, key split): online softmax over the split's visible keys."""
+        pid_bk = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        b = (pid_bk // KVH).to(tl.int64)
+        kvh = (pid_bk % KVH).to(tl.int64)
+
+        start = tl.load(start_ptr).to(tl.int32)  # on the device: CUDA-graph replays may change it
+        end = tl.minimum(start + T, CAP)
+
+        # rows of this program: r -> (query row t, head g of the kv head's group); padding rows are masked
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_P2)
+        offs_n = tl.arange(0, BLOCK_N)
+        t_rows = pid_t * TILE_T + offs_m // G
+        heads = kvh * G + offs_m % G
+        row_ok = (offs_m < TILE_T * G) & (t_rows < T)
+        d_ok = offs_d < D  # D_P2 > D pads the head dim (and D < 16, for tl.dot)
+        q_mask = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + t_rows[:, None] * stride_qt
+                    + offs_d[None, :], mask=q_mask, other=0.0)
+        if FP32_DOT:
+            q = q.to(tl.float32)
+
+        k_base = k_ptr + b * stride_kb + kvh * stride_kh
+        v_base = v_ptr + b * stride_vb + kvh * stride_vh
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum
+        acc = tl.zeros([BLOCK_M, D_P2], dtype=tl.float32)  # unnormalised output
+
+        lo = pid_s * SPLIT
+        hi = tl.minimum(lo + SPLIT, end)  # hi <= lo: a split past the visible keys, no iteration, neutral
+        # 1) whole blocks inside the committed prefix: every key visible, no key masking, no node_mask reads
+        mid = lo + (tl.maximum(tl.minimum(hi, start) - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        for n0 in range(lo, mid, BLOCK_N):
+            offs = n0 + offs_n
+            kt = tl.load(k_base + offs_d[:, None] + offs[None, :] * stride_kn, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_base + offs[:, None] * stride_vn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+            if FP32_DOT:  # float32 inputs (exact, not TF32), or bfloat16 under the interpreter
+                qk = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+            else:
+                qk = tl.dot(q, kt)
+            qk = qk * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every key of the block is visible
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if FP32_DOT:
+                if ROUND_P:  # round P to 16 bits as the tensor-core path does
+                    p = p.to(v.dtype).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        # 2) the rest (at most a few blocks): the block crossing `start`, the new rows, the end of the range
+        for n0 in range(mid, hi, BLOCK_N):
+            offs = n0 + offs_n
+            kv_ok = offs < hi
+            kt = tl.load(k_base + offs_d[:, None] + offs[None, :] * stride_kn,
+                         mask=kv_ok[None, :] & d_ok[:, None], other=0.0)  # K^T block [D_P2, BLOCK_N]
+            v = tl.load(v_base + offs[:, None] * stride_vn + offs_d[None, :],
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_P2]
+            if FP32_DOT:
+                qk = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+            else:
+                qk = tl.dot(q, kt)
+            # key n is visible to row t iff n < start, or start <= n < start + T and node_mask[t, n - start]
+            is_new = kv_ok & (offs >= start)
+            bits = tl.load(nm_ptr + t_rows[:, None] * stride_nm0 + (offs - start)[None, :] * stride_nm1,
+                           mask=row_ok[:, None] & is_new[None, :], other=0)
+            visible = (kv_ok & (offs < start))[None, :] | (bits != 0)
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: stay neutral, no NaN
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if FP32_DOT:
+                if ROUND_P:
+                    p = p.to(v.dtype).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        if WRITE_OUT:  # a single split: normalise and write the output rows
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            o = acc / l_safe[:, None]
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + t_rows[:, None] * stride_ot
+                     + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:  # partials laid out [split, B, H, T] (+ [D] for acc), contiguous
+            row = ((pid_s * B + b) * H + heads) * T + t_rows
+            tl.store(pm_ptr + row, m_i, mask=row_ok)
+            tl.store(pl_ptr + row, l_i, mask=row_ok)
+            tl.store(pacc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=q_mask)
+
+    @triton.jit
+    def _tree_attn_merge(pacc_ptr, pm_ptr, pl_ptr, out_ptr, NUM_SPLITS, ROWS, T, H,
+                         stride_ob, stride_oh, stride_ot,
+                         D: tl.constexpr, D_P2: tl.constexpr, BLOCK_R: tl.constexpr):
+        """BLOCK_R output rows (b, h, t): log-sum-exp merge of their NUM_SPLITS partials, split by split.
+
+        A neutral partial (max -inf, sum 0, acc 0) weighs exp2(-inf) = 0; a row whose max is still -inf keeps
+        a safe reference max of 0, so no -inf - -inf appears.
+        """
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # = (b * H + h) * T + t
+        r_ok = rows < ROWS
+        offs_d = tl.arange(0, D_P2)
+        mask = r_ok[:, None] & (offs_d < D)[None, :]
+        m_run = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        l_run = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, D_P2], dtype=tl.float32)
+        for s in range(0, NUM_SPLITS):
+            m_s = tl.load(pm_ptr + s * ROWS + rows, mask=r_ok, other=float("-inf"))
+            l_s = tl.load(pl_ptr + s * ROWS + rows, mask=r_ok, other=0.0)
+            a_s = tl.load(pacc_ptr + (s * ROWS + rows)[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+            m_new = tl.maximum(m_run, m_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_run - m_safe)
+            w = tl.exp2(m_s - m_safe)
+            l_run = l_run * alpha + w * l_s
+            acc = acc * alpha[:, None] + w[:, None] * a_s
+            m_run = m_new
+        l_safe = tl.where(l_run == 0.0, 1.0, l_run)
+        o = acc / l_safe[:, None]
+        t = rows % T
+        h = (rows // T) % H
+        b = rows // (T * H)
+        tl.store(out_ptr + (b * stride_ob + h * stride_oh + t * stride_ot)[:, None] + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _start_tensor(start, device) -> torch.Tensor:
+    if isinstance(start, torch.Tensor):
+        if start.numel() != 1 or start.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"start must be a single int32/int64 value, got {start.dtype} {tuple(start.shape)}")
+        return start if start.device == device else start.to(device)  # a host copy is not graph-capturable
+    return torch.full((), int(start), dtype=torch.int64, device=device)  # a fill kernel, capturable
+
+
+def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start,
+                          node_mask: torch.Tensor, split_size: int = SPLIT_SIZE, block_n: int = BLOCK_N,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel. `start`: a 1-element int tensor on q's device (read by the kernel) or a Python int.
+
+    `out`, if given, is a [B, H, T, D] tensor of q's dtype (any strides with a contiguous last dim) that receives
+    the result. `split_size` (keys per split, rounded up to a multiple of `block_n`) fixes the number of splits,
+    cdiv(CAP, split_size); the grid depends on shapes only, never on `start`.
+    """
+    if triton is None:
+        raise RuntimeError("tree_attention_triton needs triton")
+    _check_shapes(q, k_cache, v_cache, node_mask)
+    B, H, T, D = q.shape
+    KVH, CAP = k_cache.shape[1], k_cache.shape[2]
+    G = H // KVH
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"unsupported dtype {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache and v_cache must share a dtype: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache need a contiguous last dimension")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if out is None:
+        out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != (B, H, T, D) or out.dtype != q.dtype or out.device != q.device or out.stride(3) != 1:
+        raise ValueError(f"out must be [{B}, {H}, {T}, {D}] {q.dtype} on {q.device} with a contiguous last dim")
+    if T == 0 or B * H == 0:
+        return out
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    start_t = _start_tensor(start, q.device)
+    nm = node_mask.to(device=q.device, dtype=torch.bool).view(torch.uint8)
+
+    # query tiles: TILE_T rows x G heads ~ BLOCK_M_TARGET rows, balanced over the tiles
+    n_tiles = triton.cdiv(T, max(1, BLOCK_M_TARGET // G))
+    tile_t = triton.cdiv(T, n_tiles)
+    block_m = max(16, _next_pow2(tile_t * G))
+    d_p2 = max(16, _next_pow2(D))
+    split = triton.cdiv(max(split_size, block_n), block_n) * block_n
+    num_splits = triton.cdiv(CAP, split)
+    is_fp32 = q.dtype == torch.float32
+    # float32 inputs: exact ("ieee") dots, not TF32. CPU tensors only run under TRITON_INTERPRET=1, whose tl.dot
+    # multiplies the raw uint16 bits of bfloat16 operands (triton-lang/triton#11584): dot in float32 there,
+    # rounding P to bfloat16 first as the GPU path does.
+    fp32_dot = is_fp32 or (q.device.type == "cpu" and q.dtype == torch.bfloat16)
+    qk_scale = (1.0 / math.sqrt(D)) * 1.4426950408889634  # softmax in base 2
+    num_warps = 4 if block_m * d_p2 <= (32 * 128 if is_fp32 else 64 * 128) else 8  # fp32: operands in registers
+    num_stages = 2 if is_fp32 else 3
+
+    write_out = num_splits == 1
+    if write_out:
+        pacc = pm = pl = out  # unused
+    else:
+        pacc = torch.empty(num_splits, B, H, T, D, dtype=torch.float32, device=q.device)
+        pm = torch.empty(num_splits, B, H, T, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+    _tree_attn_fwd[(B * KVH, n_tiles, num_splits)](
+        q, k_cache, v_cache, start_t, nm, out, pacc, pm, pl,
+        B, T, CAP, H, KVH, qk_scale,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        nm.stride(0), nm.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        G=G, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, D=D, D_P2=d_p2,
+        FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, num_warps=num_warps, num_stages=num_stages)
+    if not write_out:
+        rows = B * H * T
+        block_r = 8
+        _tree_attn_merge[(triton.cdiv(rows, block_r),)](
+            pacc, pm, pl, out, num_splits, rows, T, H,
+            out.stride(0), out.stride(1), out.stride(2),
+            D=D, D_P2=d_p2, BLOCK_R=block_r, num_warps=2)
+    return out
+
+
+def triton_disabled() -> bool:
+    """ENGINE_DISABLE_TRITON=1 (read at each call) makes `tree_attention` use the reference."""
+    return os.environ.get("ENGINE_DISABLE_TRITON", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start, node_mask: torch.Tensor,
+                   use_triton: bool | None = None) -> torch.Tensor:
+    """Tree attention: the Triton kernel for CUDA tensors with T <= 128, else the PyTorch reference.
+
+    use_triton=None decides as above (and honours ENGINE_DISABLE_TRITON); False forces the reference (which
+    reads `start` on the host); True forces the kernel.
+    """
+    if use_triton is None:
+        use_triton = (triton is not None and q.is_cuda and q.shape[2] <= MAX_TRITON_T and not triton_disabled()
+                      and q.dtype in (torch.float32, torch.float16, torch.bfloat16))
+    if use_triton:
+        return tree_attention_triton(q, k_cache, v_cache, start, node_mask)
+    return tree_attention_reference(q, k_cache, v_cache, start, node_mask)
