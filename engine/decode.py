@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.tree_ops import build_tree, compact_kv, walk_tree
+from kernels.tree_ops import build_tree, compact_kv, triton_disabled, walk_tree
 
 from .draft import DraftInput, Drafter
 from .errors import EngineError
@@ -100,7 +100,8 @@ class Decoder:
         self.nodes = 0 if not self.speculative else self.block - 1 if settings.method == "dflash" else settings.budget
         self.capture = tuple(drafter.feature_layers) if self.speculative else ()
         on_gpu = target.device.type == "cuda"
-        graphable = not self.speculative or drafter.graphable
+        # The PyTorch references read lengths on the host, so graphs need the Triton kernels.
+        graphable = (not self.speculative or drafter.graphable) and not triton_disabled()
         self.cuda_graphs = (on_gpu and graphable) if cuda_graphs is None else (cuda_graphs and on_gpu and graphable)
         self.capacity = 0
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None

@@ -140,7 +140,7 @@ if triton is not None:
         lo = pid_s * SPLIT
         hi = tl.minimum(lo + SPLIT, end)  # hi <= lo: a split past the visible keys, no iteration, neutral
         # 1) whole blocks inside the committed prefix: every key visible, no key masking, no node_mask reads
-        mid = lo + (tl.maximum(tl.minimum(hi, start) - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        mid = lo + tl.maximum(tl.minimum(hi, start) - lo, 0) // BLOCK_N * BLOCK_N
         for n0 in range(lo, mid, BLOCK_N):
             offs = n0 + offs_n
             kt = tl.load(k_base + offs_d[:, None] + offs[None, :] * stride_kn, mask=d_ok[:, None], other=0.0)
@@ -180,7 +180,7 @@ if triton is not None:
             visible = (kv_ok & (offs < start))[None, :] | (bits != 0)
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: stay neutral, no NaN
+            m_safe = m_new  # nothing visible yet: stay neutral, no NaN
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(qk - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
