@@ -180,7 +180,7 @@ if triton is not None:
             visible = (kv_ok & (offs < start))[None, :] | (bits != 0)
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = m_new  # nothing visible yet: stay neutral, no NaN
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: stay neutral, no NaN
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(qk - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
