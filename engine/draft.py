@@ -119,7 +119,7 @@ class DFlashDrafter(Drafter):
     @torch.no_grad()
     def propose(self, inp: DraftInput) -> torch.Tensor:
         cache, B, dev = self.cache, self.block_size, self.target.device
-        ctx = self.draft.hidden_norm(self.draft.fc(inp.features))            # [1, n, hidden]
+        ctx = self.draft.hidden_norm(self.draft.fc(inp.features))[0]         # [1, n, hidden]
         n = ctx.shape[1]
         # Context rows go to slots start..start+n-1 (padding rows past `count` included); the block follows the
         # real context and overwrites the padding. Slot = absolute position: the context is contiguous.
@@ -132,18 +132,17 @@ class DFlashDrafter(Drafter):
         cos_b, sin_b = self.rotary(block_pos[None], x.dtype)
         for layer, layer_cache, window in zip(self.draft.layers, cache.layers, self.windows):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            layer_cache.write(ctx_pos, *attn.key_value(ctx, cos_c, sin_c))
-            layer_cache.write(block_pos, *attn.key_value(h, cos_b, sin_b))
-            q = attn.query(h, cos_b, sin_b)
+            h = layer.input_layernorm(x)[0]
+            attn.project(ctx, cos_c, sin_c, layer_cache, ctx_pos)       # context keys and values
+            q = attn.project(h, cos_b, sin_b, layer_cache, block_pos)   # the block's, and its queries
             if window is None:
                 o = tree_attention(q, layer_cache.k, layer_cache.v, block_start, self.block_visible)
             else:
                 o = _windowed_attention(q, layer_cache, block_start, block_pos, window)
             x = x + attn.out(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.mlp(layer.post_attention_layernorm(x)[0])
         cache.start.add_(inp.count)  # keep the context rows, drop the block's
-        return self.target.logits(self.draft.norm(x[0, 1:]))
+        return self.target.logits(self.draft.norm(x[0, 1:])[0])
 
 
 def _windowed_attention(q, layer_cache, block_start, block_pos, window: int) -> torch.Tensor:

@@ -6,14 +6,29 @@ for prefill and linear verification, ancestor-only for tree verification (kernel
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused import qk_norm_rope_store, rmsnorm, silu_mul
 from kernels.tree_attention import tree_attention
 
 from .cache import AttentionLayerCache, ModelCache
 from .config import ModelConfig, rope_inv_freq
+
+
+@functools.cache
+def _has_mm_out_dtype() -> bool:
+    """torch.mm(a, b, out_dtype=float32) with bf16 inputs (cuBLAS, torch >= 2.8 on CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +37,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual): the residual add is fused into the norm's kernel."""
+        return rmsnorm(x, self.weight, self.eps, residual)
 
 
 class Rotary:
@@ -36,19 +50,10 @@ class Rotary:
         self.inv_freq = inv_freq.to(device)
 
     def __call__(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, rot_dim]."""
+        """positions [B, T] -> cos, sin [B, T, rot_dim]."""
         freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    rot = cos.shape[-1]
-    xr, rest = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
-    out = xr * cos + rotated * sin
-    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
 class Attention(nn.Module):
@@ -62,45 +67,29 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.eps = cfg.rms_norm_eps
 
     def fuse(self) -> None:
         """One GEMM for q, k and v: the three weights become views of one concatenated matrix."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
         self.qkv_weight = _fused(projections, "weight")
         self.qkv_bias = _fused(projections, "bias")
-        self.q_size = self.q_proj.out_features
 
-    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[B, T, hidden] -> rotated queries [B, heads, T, head_dim], rotated keys and values [B, kv_heads, T, head_dim]."""
-        q, kv = F.linear(x, self.qkv_weight, self.qkv_bias).split([self.q_size, self.qkv_weight.shape[0] - self.q_size], -1)
-        return self._query(q, cos, sin), *self._key_value(kv, cos, sin)
-
-    def query(self, x, cos, sin) -> torch.Tensor:
-        return self._query(F.linear(x, self.qkv_weight[:self.q_size], _part(self.qkv_bias, None, self.q_size)), cos, sin)
-
-    def key_value(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._key_value(F.linear(x, self.qkv_weight[self.q_size:], _part(self.qkv_bias, self.q_size, None)),
-                               cos, sin)
-
-    def _query(self, q, cos, sin) -> torch.Tensor:
-        q = q.view(*q.shape[:2], self.num_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        return apply_rotary(q.transpose(1, 2), cos, sin)
-
-    def _key_value(self, kv, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = kv.view(*kv.shape[:2], 2 * self.num_kv_heads, self.head_dim).chunk(2, dim=2)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return apply_rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+    def project(self, x, cos, sin, layer_cache: AttentionLayerCache, slots) -> torch.Tensor:
+        """Project [B, T, hidden]; store the (normed, rotated) keys and the values at the cache slots [T];
+        return the (normed, rotated) queries [B, heads, T, head_dim]."""
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        return qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  None if self.q_norm is None else self.q_norm.weight,
+                                  None if self.k_norm is None else self.k_norm.weight,
+                                  self.eps, cos, sin, layer_cache.k, layer_cache.v, slots)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output [B, H, T, D] -> [B, T, hidden]."""
         return self.o_proj(o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))
 
     def forward(self, x, cos, sin, layer_cache: AttentionLayerCache, slots, start, node_mask) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin)
-        layer_cache.write(slots, k, v)
+        q = self.project(x, cos, sin, layer_cache, slots)
         return self.out(tree_attention(q, layer_cache.k, layer_cache.v, start, node_mask))
 
 
@@ -117,8 +106,7 @@ class MLP(nn.Module):
         self.gate_up_bias = _fused((self.gate_proj, self.up_proj), "bias")
 
     def forward(self, x):
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
 
 def _fused(linears, name: str) -> torch.Tensor | None:
@@ -146,9 +134,12 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer_cache, slots, start, node_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, slots, start, node_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, delta, x, cos, sin, layer_cache, slots, start, node_mask):
+        """The residual stream is x + delta, delta being the previous block's MLP output, added inside the
+        first norm's kernel. Returns this block's (delta, x) in the same form."""
+        h, x = self.input_layernorm(delta, x)
+        h, x = self.post_attention_layernorm(self.self_attn(h, cos, sin, layer_cache, slots, start, node_mask), x)
+        return self.mlp(h), x
 
 
 def fuse_projections(blocks) -> None:
@@ -203,12 +194,22 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         captured = {}
+        delta, x = x, None
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
-            x = layer(x, cos, sin, layer_cache, slots, start, node_mask)
+            delta, x = layer(delta, x, cos, sin, layer_cache, slots, start, node_mask)
             if i in capture:
-                captured[i] = x
+                captured[i] = x + delta   # the layer's output (HF hidden_states[i + 1])
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        return self.norm(x), features
+        return self.norm(delta, x)[0], features
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """LM-head logits in float32. From bf16 weights they are accumulated and kept in float32: rounding them
+        to bf16 (an ulp of 0.06 to 0.125 at typical magnitudes) would turn real margins into ties."""
+        if hidden.dtype == torch.float32:
+            return self.lm_head(hidden)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if hidden.is_cuda and _has_mm_out_dtype():
+            out = torch.mm(flat, self.lm_head.weight.t(), out_dtype=torch.float32)
+        else:  # no mixed-precision GEMM here: upcast (slower, same result)
+            out = F.linear(flat.float(), self.lm_head.weight.float())
+        return out.view(*hidden.shape[:-1], -1)

@@ -1,0 +1,498 @@
+"""kernels.fused: the Triton rmsnorm / qk_norm_rope_store / silu_mul against their references, the references
+against transformers' modules, and the three kernels captured together in a CUDA graph.
+
+CPU: the references are checked directly; the Triton kernels run under the Triton interpreter in a subprocess
+(TRITON_INTERPRET=1 must be set before triton is imported), one subprocess per kernel: `python -m
+correctness.test_kernel_fused CHECK` runs one of CHECKS and prints what it compared. GPU: the kernels at real
+shapes, a CUDA-graph replay with new inputs, timings (print with -s).
+
+Every output is poisoned first: out= buffers are NaN-filled, and the cache rows the kernel must write are
+NaN-filled while every other element of the tensor the caches are views of must stay bit-identical.
+
+Tolerances. float32: atol = rtol = 1e-5 (the kernels do the reference's float32 operations; only the order of
+the sum of squares and the exp / rsqrt / division approximations differ, ~1e-7 relative). bfloat16: every rounding
+to bfloat16 happens at the same point as in the reference, so most elements match exactly; a float32 difference
+in the last bit can flip one rounding to the neighbouring bf16 value (one ulp = 2^-8..2^-7 relative), which RoPE's
+sum can turn into an absolute error of one ulp of the operands (|operands| < 8 with randn inputs: 2^-5). So:
+|got - want| <= 2^-5 + 2^-6 |want| (two ulps relative) elementwise, and at most 1% of the elements may differ at
+all (a rounding placed at the wrong point makes a large fraction differ). v is copied: compared exactly.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import fused
+from kernels.fused import (qk_norm_rope_store, qk_norm_rope_store_reference, qk_norm_rope_store_triton, rmsnorm,
+                           rmsnorm_reference, rmsnorm_triton, silu_mul, silu_mul_reference, silu_mul_triton)
+
+ROOT = Path(__file__).resolve().parents[1]
+EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, context: str) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{context}: {tuple(got.shape)} {got.dtype} vs {tuple(want.shape)} {want.dtype}"
+    g, w = got.float().cpu(), want.float().cpu()
+    assert not g.isnan().any(), f"{context}: NaN in the output (an element was not written)"
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{context}: {m}")
+        return
+    diff = (g - w).abs()
+    bad = diff > 2 ** -5 + 2 ** -6 * w.abs()
+    assert not bad.any(), (f"{context}: {int(bad.sum())} elements beyond two bf16 ulps; max diff "
+                           f"{diff.max().item():.4g} at {bad.nonzero()[:4].tolist()}")
+    frac = (diff > 0).float().mean().item() if diff.numel() else 0.0
+    assert frac <= 0.01, f"{context}: {frac:.2%} of the elements differ (max {diff.max().item():.4g})"
+
+
+def rand(gen, *shape, dtype, device="cpu", scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def rope_cos_sin(gen, B, T, R, dtype, device="cpu", start=0):
+    """HF-style cos/sin [B, T, R] (the two halves repeat) at positions start + t (random per batch row)."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))
+    pos = start + torch.arange(T, dtype=torch.float32)[None, :] + torch.randint(0, 50, (B, 1), generator=gen)
+    freqs = pos[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def check_rmsnorm(fn, gen, shape, dtype, device, residual: bool, context: str, inplace=False) -> None:
+    N = shape[-1]
+    x = rand(gen, *shape, dtype=dtype, device=device, scale=2.0)
+    w = rand(gen, N, dtype=dtype, device=device)
+    res = rand(gen, *shape, dtype=dtype, device=device) if residual else None
+    want_y, want_h = rmsnorm_reference(x, w, EPS, res)
+    out = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    h_out = None
+    if residual:
+        h_out = res.clone() if inplace else torch.full(shape, float("nan"), dtype=dtype, device=device)
+    y, h = fn(x, w, EPS, res if not inplace else h_out, out=out, h_out=h_out)
+    assert y is out, f"{context}: y not written into out="
+    assert_close(y, want_y, f"{context} y")
+    if residual:
+        assert h is h_out, f"{context}: h not written into h_out="
+        assert_close(h, want_h, f"{context} h")
+    else:
+        assert h is x, f"{context}: without a residual h must be x itself"
+    y2, _ = fn(x, w, EPS, res)  # fresh outputs, no out=
+    assert_close(y2, want_y, f"{context} fresh y")
+
+
+def qk_case(gen, B, T, H, KVH, D, R, norms, dtype, device="cpu", cap=64, start=None, layers=2, pad=8):
+    """Inputs of one qk_norm_rope_store case; caches are layer 1 of [layers, B, KVH, cap, D + pad] bases, [..., :D]."""
+    qkv = rand(gen, B, T, (H + 2 * KVH) * D, dtype=dtype, device=device, scale=2.0)
+    q_norm = rand(gen, D, dtype=dtype, device=device) if norms in ("both", "q") else None
+    k_norm = rand(gen, D, dtype=dtype, device=device) if norms in ("both", "k") else None
+    cos, sin = rope_cos_sin(gen, B, T, R, dtype, device, start=start or 0)
+    if start is None:  # scattered slots, not in order
+        slots = torch.randperm(cap, generator=gen)[:T]
+    else:
+        slots = start + torch.arange(T)
+    slots = slots.to(device)
+    k_base = rand(gen, layers, B, KVH, cap, D + pad, dtype=dtype, device=device)
+    v_base = rand(gen, layers, B, KVH, cap, D + pad, dtype=dtype, device=device)
+    written = torch.zeros(k_base.shape, dtype=torch.bool, device=device)
+    written[1, :, :, slots, :D] = True
+    k_base[written] = float("nan")
+    v_base[written] = float("nan")
+    return dict(qkv=qkv, q_norm=q_norm, k_norm=k_norm, cos=cos, sin=sin, slots=slots,
+                k_base=k_base, v_base=v_base, written=written, dims=(H, KVH, D))
+
+
+def check_qk(fn, case, context: str, use_out=True) -> None:
+    H, KVH, D = case["dims"]
+    B, T, _ = case["qkv"].shape
+    kb_ref, vb_ref = case["k_base"].clone(), case["v_base"].clone()
+    kb, vb = case["k_base"].clone(), case["v_base"].clone()
+    args = (case["qkv"], H, KVH, D, case["q_norm"], case["k_norm"], EPS, case["cos"], case["sin"])
+    want = qk_norm_rope_store_reference(*args, kb_ref[1, ..., :D], vb_ref[1, ..., :D], case["slots"])
+    kw = {}
+    if use_out:  # a strided out=: [B, H, T, D] inside a [B, T, H, D + 4] buffer
+        buf = torch.full((B, T, H, D + 4), float("nan"), dtype=want.dtype, device=want.device)
+        kw["out"] = buf[..., :D].transpose(1, 2)
+    q = fn(*args, kb[1, ..., :D], vb[1, ..., :D], case["slots"], **kw)
+    if use_out:
+        assert q is kw["out"], f"{context}: q not written into out="
+    assert_close(q, want, f"{context} q")
+    written = case["written"]
+    assert torch.equal(kb[~written], kb_ref[~written]), f"{context}: k cache changed outside the written rows"
+    assert torch.equal(vb[~written], vb_ref[~written]), f"{context}: v cache changed outside the written rows"
+    assert torch.equal(vb[written], vb_ref[written]), f"{context}: v rows differ"
+    assert_close(kb[written], kb_ref[written], f"{context} k rows")
+
+
+def check_silu(fn, gen, shape, dtype, device, context: str) -> None:
+    gu = rand(gen, *shape, dtype=dtype, device=device, scale=3.0)
+    want = silu_mul_reference(gu)
+    out = torch.full(want.shape, float("nan"), dtype=dtype, device=device)
+    got = fn(gu, out=out)
+    assert got is out, f"{context}: not written into out="
+    assert_close(got, want, context)
+    assert_close(fn(gu), want, f"{context} fresh")
+
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------ interpreter checks (subprocess)
+
+def _interp_rmsnorm() -> str:
+    gen = torch.Generator().manual_seed(1)
+    cases = 0
+    for dtype in DTYPES:
+        for shape in ((1, 72), (3, 100), (2, 3, 576), (1, 1024)):
+            for residual in (False, True):
+                check_rmsnorm(rmsnorm_triton, gen, shape, dtype, "cpu", residual, f"rmsnorm {dtype} {shape} {residual}")
+                cases += 1
+        check_rmsnorm(rmsnorm_triton, gen, (3, 100), dtype, "cpu", True, f"rmsnorm {dtype} in place", inplace=True)
+        x = rand(gen, 4, 130, dtype=dtype)[:, :100]  # rows with a stride
+        w = rand(gen, 100, dtype=dtype)
+        assert_close(rmsnorm_triton(x, w, EPS)[0], rmsnorm_reference(x, w, EPS)[0], f"rmsnorm {dtype} strided rows")
+        cases += 2
+    return f"{cases} rmsnorm cases"
+
+
+QK_CPU = [  # (B, T, H, KVH, D, R, norms)
+    (1, 1, 4, 2, 32, 32, "both"),
+    (2, 3, 3, 1, 24, 24, "both"),
+    (1, 5, 2, 2, 80, 80, None),
+    (2, 2, 4, 2, 32, 16, "q"),
+    (1, 3, 2, 1, 64, 32, "k"),
+    (1, 2, 6, 2, 16, 8, None),
+]
+
+
+def _interp_qk() -> str:
+    gen = torch.Generator().manual_seed(2)
+    cases = 0
+    for dtype in DTYPES:
+        for i, (B, T, H, KVH, D, R, norms) in enumerate(QK_CPU):
+            case = qk_case(gen, B, T, H, KVH, D, R, norms, dtype, start=None if i % 2 else 7)
+            check_qk(qk_norm_rope_store_triton, case, f"qk {dtype} B{B} T{T} H{H} KVH{KVH} D{D} R{R} {norms}",
+                     use_out=i % 3 != 2)
+            cases += 1
+    return f"{cases} qk_norm_rope_store cases"
+
+
+def _interp_silu() -> str:
+    gen = torch.Generator().manual_seed(3)
+    cases = 0
+    for dtype in DTYPES:
+        for shape in ((1, 2 * 48), (3, 2 * 1500), (2, 2, 2 * 100)):  # 1500: two column blocks, the second masked
+            check_silu(silu_mul_triton, gen, shape, dtype, "cpu", f"silu {dtype} {shape}")
+            cases += 1
+    return f"{cases} silu_mul cases"
+
+
+CHECKS = {"rmsnorm": _interp_rmsnorm, "qk": _interp_qk, "silu": _interp_silu}
+
+
+def run_interpreted(name: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore",
+               CUDA_VISIBLE_DEVICES="")
+    env.pop("ENGINE_DISABLE_TRITON", None)
+    return subprocess.run([sys.executable, "-m", "correctness.test_kernel_fused", name], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=300)
+
+
+# ---------------------------------------------------------------------------------------------------- CPU tests
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_triton_kernels_under_interpreter(name):
+    pytest.importorskip("triton")
+    proc = run_interpreted(name)
+    assert proc.returncode == 0 and "OK" in proc.stdout, \
+        f"interpreter check {name} failed\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.cpu
+def test_references_match_transformers():
+    """rmsnorm_reference is LlamaRMSNorm (residual added first); the q/k path is Qwen3's q_norm/k_norm +
+    apply_rotary_pos_emb, bit for bit in bfloat16; silu_mul_reference is ACT2FN['silu'](gate) * up."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.activations import ACT2FN
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(4)
+    dt = torch.bfloat16
+    norm = LlamaRMSNorm(96, eps=EPS).to(dt)
+    with torch.no_grad():
+        norm.weight.copy_(rand(gen, 96, dtype=dt))
+    x, res = rand(gen, 5, 96, dtype=dt), rand(gen, 5, 96, dtype=dt)
+    y, h = rmsnorm_reference(x, norm.weight.detach(), EPS, res)
+    assert torch.equal(h, x + res) and torch.equal(y, norm(x + res))
+
+    B, T, H, KVH, D = 2, 3, 4, 2, 32
+    case = qk_case(gen, B, T, H, KVH, D, D, "both", dt, start=5)
+    kc, vc = case["k_base"][1, ..., :D], case["v_base"][1, ..., :D]
+    q = qk_norm_rope_store_reference(case["qkv"], H, KVH, D, case["q_norm"], case["k_norm"], EPS, case["cos"],
+                                     case["sin"], kc, vc, case["slots"])
+    qn, kn = LlamaRMSNorm(D, eps=EPS).to(dt), LlamaRMSNorm(D, eps=EPS).to(dt)
+    with torch.no_grad():
+        qn.weight.copy_(case["q_norm"])
+        kn.weight.copy_(case["k_norm"])
+    hq, hk, hv = case["qkv"].view(B, T, H + 2 * KVH, D).split([H, KVH, KVH], dim=2)
+    want_q, want_k = apply_rotary_pos_emb(qn(hq).transpose(1, 2), kn(hk).transpose(1, 2), case["cos"], case["sin"])
+    assert torch.equal(q, want_q)
+    assert torch.equal(kc[:, :, case["slots"]], want_k)
+    assert torch.equal(vc[:, :, case["slots"]], hv.transpose(1, 2))
+
+    gu = rand(gen, 4, 2 * 50, dtype=dt, scale=3.0)
+    assert torch.equal(silu_mul_reference(gu), ACT2FN["silu"](gu[:, :50]) * gu[:, 50:])
+
+
+@pytest.mark.cpu
+def test_partial_rotary_reference():
+    """Dims past R pass through; the first R follow the full-rotary formula on the R-dim slice."""
+    gen = torch.Generator().manual_seed(5)
+    D, R = 32, 8
+    case = qk_case(gen, 1, 2, 2, 1, D, R, None, torch.float32, start=3)
+    kc, vc = case["k_base"][1, ..., :D], case["v_base"][1, ..., :D]
+    q = qk_norm_rope_store_reference(case["qkv"], 2, 1, D, None, None, EPS, case["cos"], case["sin"], kc, vc,
+                                     case["slots"])
+    raw = case["qkv"].view(1, 2, 4, D)[:, :, :2].transpose(1, 2)
+    assert torch.equal(q[..., R:], raw[..., R:])
+    c, s = case["cos"][:, None], case["sin"][:, None]
+    x = raw[..., :R]
+    rot = x * c + torch.cat((-x[..., R // 2:], x[..., :R // 2]), -1) * s
+    assert torch.equal(q[..., :R], rot)
+
+
+@pytest.mark.cpu
+def test_dispatchers_use_the_references_on_cpu(monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    called = []
+    for name in ("rmsnorm_triton", "qk_norm_rope_store_triton", "silu_mul_triton"):
+        monkeypatch.setattr(fused, name, lambda *a, _n=name, **k: called.append(_n))
+    x, w = rand(gen, 3, 40, dtype=torch.float32), rand(gen, 40, dtype=torch.float32)
+    y, h = rmsnorm(x, w, EPS)
+    assert h is x and torch.equal(y, rmsnorm_reference(x, w, EPS)[0])
+    gu = rand(gen, 3, 40, dtype=torch.float32)
+    assert torch.equal(silu_mul(gu), silu_mul_reference(gu))
+    case = qk_case(gen, 1, 2, 2, 1, 16, 16, "both", torch.float32, start=0)
+    args = (case["qkv"], 2, 1, 16, case["q_norm"], case["k_norm"], EPS, case["cos"], case["sin"])
+    kc, vc = case["k_base"][1, ..., :16], case["v_base"][1, ..., :16]
+    kc2, vc2 = kc.clone(), vc.clone()
+    assert torch.equal(qk_norm_rope_store(*args, kc, vc, case["slots"]),
+                       qk_norm_rope_store_reference(*args, kc2, vc2, case["slots"]))
+    assert torch.equal(kc.nan_to_num(), kc2.nan_to_num()) and torch.equal(vc.nan_to_num(), vc2.nan_to_num())
+    assert not called
+    monkeypatch.setenv("ENGINE_DISABLE_TRITON", "1")
+    assert fused.triton_disabled()
+
+
+@pytest.mark.cpu
+def test_shape_errors():
+    pytest.importorskip("triton")
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError):
+        rmsnorm_triton(x, torch.zeros(7), EPS)
+    with pytest.raises(ValueError):
+        rmsnorm_triton(x, torch.zeros(8), EPS, out=torch.zeros(2, 7))
+    with pytest.raises(ValueError):
+        silu_mul_triton(torch.zeros(2, 7))
+    qkv, cos = torch.zeros(1, 2, 4 * 8), torch.zeros(1, 2, 8)
+    cache = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(ValueError):  # H + 2 KVH = 4 heads of 8, but 3 heads declared
+        qk_norm_rope_store_triton(qkv, 1, 1, 8, None, None, EPS, cos, cos, cache, cache, torch.arange(2))
+    with pytest.raises(ValueError):  # odd rotary dims
+        qk_norm_rope_store_triton(qkv, 2, 1, 8, None, None, EPS, cos[..., :5], cos[..., :5], cache, cache,
+                                  torch.arange(2))
+
+
+# ---------------------------------------------------------------------------------------------------- GPU tests
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or fused.triton is None,
+                                reason="needs a CUDA GPU and Triton")
+BF16 = torch.bfloat16
+QK_GPU = [  # (H, KVH, D, R, norms): Qwen3-8B, a 9/3 GQA without norms, partial rotary
+    (32, 8, 128, 128, "both"),
+    (9, 3, 64, 64, None),
+    (32, 8, 128, 32, None),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("N", [4096, 576, 5120])
+def test_gpu_rmsnorm(N):
+    gen = torch.Generator().manual_seed(10 + N)
+    for T in (1, 16, 65):
+        for shape in ((T, N), (2, T, N)):
+            for residual in (False, True):
+                check_rmsnorm(rmsnorm_triton, gen, shape, BF16, "cuda", residual, f"rmsnorm {shape} res={residual}")
+        check_rmsnorm(rmsnorm_triton, gen, (T, N), BF16, "cuda", True, f"rmsnorm T={T} in place", inplace=True)
+        check_rmsnorm(rmsnorm_triton, gen, (T, N), torch.float32, "cuda", True, f"rmsnorm fp32 T={T}")
+    x, w = rand(gen, 16, N, dtype=BF16, device="cuda"), rand(gen, N, dtype=BF16, device="cuda")
+    assert_close(rmsnorm(x, w, EPS)[0], rmsnorm_reference(x, w, EPS)[0], "dispatcher")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("H,KVH,D,R,norms", QK_GPU)
+def test_gpu_qk_norm_rope_store(H, KVH, D, R, norms):
+    gen = torch.Generator().manual_seed(20 + H + D + R)
+    for T in (1, 16, 65):
+        for B in (1, 2):
+            case = qk_case(gen, B, T, H, KVH, D, R, norms, BF16, "cuda", cap=4096, start=1000 + T, pad=0)
+            check_qk(qk_norm_rope_store_triton, case, f"qk B{B} T{T} H{H} KVH{KVH} D{D} R{R} {norms}",
+                     use_out=B == 2)
+    case = qk_case(gen, 1, 16, H, KVH, D, R, norms, torch.float32, "cuda", cap=4096, start=None)
+    check_qk(qk_norm_rope_store_triton, case, "qk fp32 scattered slots")
+    case = qk_case(gen, 1, 16, H, KVH, D, R, norms, BF16, "cuda", cap=4096, start=7)
+    check_qk(lambda *a, out=None: qk_norm_rope_store(*a), case, "dispatcher", use_out=False)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("I", [12288, 1536, 14336])
+def test_gpu_silu_mul(I):
+    gen = torch.Generator().manual_seed(30 + I)
+    for T in (1, 16, 65):
+        check_silu(silu_mul_triton, gen, (T, 2 * I), BF16, "cuda", f"silu T={T} I={I}")
+    check_silu(silu_mul_triton, gen, (2, 16, 2 * I), BF16, "cuda", f"silu 3-d I={I}")
+    check_silu(silu_mul_triton, gen, (16, 2 * I), torch.float32, "cuda", f"silu fp32 I={I}")
+    gu = rand(gen, 16, 2 * I, dtype=BF16, device="cuda")
+    assert_close(silu_mul(gu), silu_mul_reference(gu), "dispatcher")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cuda_graph():
+    """rmsnorm (with residual, in place) -> qk_norm_rope_store -> silu_mul captured once, replayed with new inputs
+    copied in place (new positions and slots included), checked against the references after each replay."""
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(40)
+    T, N, H, KVH, D, I, CAP = 16, 4096, 32, 8, 128, 12288, 4096
+    x = torch.empty(T, N, dtype=BF16, device=dev)
+    res = torch.empty_like(x)
+    w = rand(gen, N, dtype=BF16, device=dev)
+    qkv = torch.empty(1, T, (H + 2 * KVH) * D, dtype=BF16, device=dev)
+    qn, kn = rand(gen, D, dtype=BF16, device=dev), rand(gen, D, dtype=BF16, device=dev)
+    cos = torch.empty(1, T, D, dtype=BF16, device=dev)
+    sin = torch.empty_like(cos)
+    slots = torch.empty(T, dtype=torch.long, device=dev)
+    kc = torch.zeros(1, KVH, CAP, D, dtype=BF16, device=dev)
+    vc = torch.zeros_like(kc)
+    gu = torch.empty(T, 2 * I, dtype=BF16, device=dev)
+    y, q, act = torch.empty_like(x), torch.empty(1, H, T, D, dtype=BF16, device=dev), torch.empty(T, I, dtype=BF16,
+                                                                                                  device=dev)
+
+    def fill(step):
+        x.copy_(rand(gen, T, N, dtype=BF16, device=dev))
+        res.copy_(rand(gen, T, N, dtype=BF16, device=dev))
+        qkv.copy_(rand(gen, 1, T, (H + 2 * KVH) * D, dtype=BF16, device=dev, scale=2.0))
+        c, s = rope_cos_sin(gen, 1, T, D, BF16, dev, start=100 * step)
+        cos.copy_(c)
+        sin.copy_(s)
+        slots.copy_(torch.arange(T, device=dev) + 100 * step)
+        gu.copy_(rand(gen, T, 2 * I, dtype=BF16, device=dev, scale=3.0))
+
+    def body():
+        rmsnorm_triton(x, w, EPS, res, out=y, h_out=res)
+        qk_norm_rope_store_triton(qkv, H, KVH, D, qn, kn, EPS, cos, sin, kc, vc, slots, out=q)
+        silu_mul_triton(gu, out=act)
+
+    fill(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    for step in (1, 2, 3):
+        fill(step)
+        want_y, want_h = rmsnorm_reference(x, w, EPS, res)
+        kr, vr = kc.clone(), vc.clone()
+        want_q = qk_norm_rope_store_reference(qkv, H, KVH, D, qn, kn, EPS, cos, sin, kr, vr, slots)
+        want_act = silu_mul_reference(gu)
+        y.fill_(float("nan"))
+        q.fill_(float("nan"))
+        act.fill_(float("nan"))
+        kc[:, :, slots] = float("nan")
+        vc[:, :, slots] = float("nan")
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(y, want_y, f"graph step {step} y")
+        assert_close(res, want_h, f"graph step {step} h")
+        assert_close(q, want_q, f"graph step {step} q")
+        assert_close(kc, kr, f"graph step {step} k cache")
+        assert torch.equal(vc, vr), f"graph step {step} v cache"
+        assert_close(act, want_act, f"graph step {step} act")
+
+
+def _graph_time_us(fn, reps: int = 100, iters: int = 5) -> float:
+    """Microseconds per call: `reps` calls captured in one CUDA graph, the graph replayed `iters` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (iters * reps) * 1e6
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_timings():
+    """Prints per-call times (pytest -s) at 8B shapes, kernel vs the eager reference ops, both graph-captured."""
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(50)
+    N, H, KVH, D, CAP = 4096, 32, 8, 128, 4096
+    lines = []
+    for T in (1, 16):
+        x, res = rand(gen, T, N, dtype=BF16, device=dev), rand(gen, T, N, dtype=BF16, device=dev)
+        w = rand(gen, N, dtype=BF16, device=dev)
+        y, h = torch.empty_like(x), torch.empty_like(x)
+        lines.append((f"rmsnorm+residual N={N} T={T}",
+                      _graph_time_us(lambda: rmsnorm_triton(x, w, EPS, res, out=y, h_out=h)),
+                      _graph_time_us(lambda: rmsnorm_reference(x, w, EPS, res))))
+        for norms in ("both", None):
+            case = qk_case(gen, 1, T, H, KVH, D, D, norms, BF16, dev, cap=CAP, start=1000, layers=1, pad=0)
+            kc, vc = case["k_base"][0], case["v_base"][0]
+            args = (case["qkv"], H, KVH, D, case["q_norm"], case["k_norm"], EPS, case["cos"], case["sin"], kc, vc,
+                    case["slots"])
+            q = torch.empty(1, H, T, D, dtype=BF16, device=dev)
+            lines.append((f"qk_norm_rope_store H={H} KVH={KVH} D={D} norms={norms} T={T}",
+                          _graph_time_us(lambda: qk_norm_rope_store_triton(*args, out=q)),
+                          _graph_time_us(lambda: qk_norm_rope_store_reference(*args))))
+        for I in (14336, 12288):
+            gu = rand(gen, T, 2 * I, dtype=BF16, device=dev)
+            act = torch.empty(T, I, dtype=BF16, device=dev)
+            lines.append((f"silu_mul I={I} T={T}", _graph_time_us(lambda: silu_mul_triton(gu, out=act)),
+                          _graph_time_us(lambda: silu_mul_reference(gu))))
+    for name, us, ref in lines:
+        print(f"{name}: triton {us:.1f} us, reference {ref:.1f} us")
+    assert all(us > 0 for _, us, _ in lines)
+
+
+if __name__ == "__main__":  # python -m correctness.test_kernel_fused CHECK  (with TRITON_INTERPRET=1)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("set TRITON_INTERPRET=1")
+    for check in sys.argv[1:] or sorted(CHECKS):
+        t0 = time.perf_counter()
+        print(f"{check}: {CHECKS[check]()} in {time.perf_counter() - t0:.1f}s")
+    print("OK")
