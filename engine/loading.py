@@ -231,6 +231,9 @@ def synthetic_target(preset: str, device, dtype, seed: int = 0) -> Target:
     cfg = ModelConfig.from_hf(_hf_config(SYNTHETIC_PRESETS[preset], f"synthetic:{preset}"))
     model = _tie(_empty(lambda: Transformer(cfg), device, dtype))
     _randomize(model, seed)
+    # Spread the logits (std ~0.5 * sqrt(hidden)) so that greedy choices are rarely near-ties in bf16, as in
+    # trained models; timing does not depend on weight values.
+    model.lm_head.weight.data.mul_(25.0)
     return Target(model.ready(), None, f"synthetic:{preset}", default_draft=f"random:{SYNTHETIC_DRAFT_LAYERS[preset]}")
 
 
