@@ -21,8 +21,9 @@ Three entry points:
   `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) or `use_triton=False` forces the reference.
 
 Kernel design (`_tree_attn_fwd`): grid (B * KVH, query tiles, key splits). One program owns one kv head and a
-tile of TILE_T query rows; its BLOCK_M = TILE_T * G rows (all G query heads of that kv head, padded to a power of
-two >= 16 with masked rows) share every K/V block it loads, so the cache is read once per kv head and query tile.
+tile of TILE_T query rows; its BLOCK_M = max(16, next_pow2(G)) rows (all G query heads of TILE_T = BLOCK_M // G
+tokens, masked past T) share every K/V block it loads. The tile shape does not depend on T, so a row's result is
+the same whether it is verified alone or with 64 others.
 Split s covers keys [s * SPLIT, (s + 1) * SPLIT) clipped to [0, start + T); the program walks it in BLOCK_N key
 blocks (tl.dot for Q K^T and P V, M, N and the padded head dim all >= 16) with an online softmax in base 2
 (running max, running sum, unnormalised float32 accumulator). Each block is masked by the rules above: keys below
@@ -54,7 +55,6 @@ except ImportError:  # no Triton (a CPU-only platform without wheels): the refer
 
 BLOCK_N = 64        # keys per inner-loop block
 SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)
-BLOCK_M_TARGET = 64  # query rows (T tile x G heads) per program, before padding to a power of two
 MAX_TRITON_T = 128  # the dispatcher uses the kernel up to this many new rows
 
 
@@ -285,10 +285,12 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     start_t = _start_tensor(start, q.device)
     nm = node_mask.to(device=q.device, dtype=torch.bool).view(torch.uint8)
 
-    # query tiles: TILE_T rows x G heads ~ BLOCK_M_TARGET rows, balanced over the tiles
-    n_tiles = triton.cdiv(T, max(1, BLOCK_M_TARGET // G))
-    tile_t = triton.cdiv(T, n_tiles)
-    block_m = max(16, _next_pow2(tile_t * G))
+    # Query tiles of a fixed shape that does not depend on T: BLOCK_M = max(16, G) rows, TILE_T = BLOCK_M // G
+    # tokens. A row's arithmetic then does not depend on how many rows are verified together, so the verify
+    # pass reproduces the one-token decode step bit for bit (the exactness rule's margins stay meaningful).
+    block_m = max(16, _next_pow2(G))
+    tile_t = block_m // G
+    n_tiles = triton.cdiv(T, tile_t)
     d_p2 = max(16, _next_pow2(D))
     split = triton.cdiv(max(split_size, block_n), block_n) * block_n
     num_splits = triton.cdiv(CAP, split)
