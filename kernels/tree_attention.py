@@ -319,14 +319,17 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         nm.stride(0), nm.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         G=G, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, D=D, D_P2=d_p2,
-        FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, num_warps=num_warps, num_stages=num_stages)
+        FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, num_warps=num_warps, num_stages=num_stages,
+        # No FMA contraction: the unmasked and the masked key loops must round alike, or a row's result would
+        # depend on which loop saw its keys, that is, on `start` (verify and decode step would differ).
+        enable_fp_fusion=False)
     if not write_out:
         rows = B * H * T
         block_r = 8
         _tree_attn_merge[(triton.cdiv(rows, block_r),)](
             pacc, pm, pl, out, num_splits, rows, T, H,
             out.stride(0), out.stride(1), out.stride(2),
-            D=D, D_P2=d_p2, BLOCK_R=block_r, num_warps=2)
+            D=D, D_P2=d_p2, BLOCK_R=block_r, num_warps=2, enable_fp_fusion=False)
     return out
 
 
