@@ -221,7 +221,7 @@ def test_triton_kernels_under_interpreter(name):
 def test_references_match_transformers():
     """rmsnorm_reference is LlamaRMSNorm (residual added first); the q/k path is Qwen3's q_norm/k_norm +
     apply_rotary_pos_emb, bit for bit in bfloat16; silu_mul_reference is ACT2FN['silu'](gate) * up."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.activations import ACT2FN
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 

@@ -188,5 +188,4 @@ def hf_generate_tok_s(target: Target, prompt: list[int], new_tokens: int) -> flo
         if dev.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-    del model
     return new_tokens / elapsed

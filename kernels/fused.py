@@ -50,8 +50,6 @@ _silu_mul_kernel: grid (rows, cdiv(I, BLOCK)), BLOCK = min(1024, next_pow2(I)) c
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
