@@ -145,8 +145,10 @@ class Decoder:
         if self.settings.method == "dflash":
             self.tree.tokens.copy_(self.draft_logits.argmax(-1))
             return
-        k = min(self.settings.budget, self.settings.topk_cap, self.draft_logits.shape[-1])
-        logp, ids = torch.log_softmax(self.draft_logits.float(), dim=-1).topk(k, dim=-1)
+        logits = self.draft_logits.float()
+        k = min(self.settings.budget, self.settings.topk_cap, logits.shape[-1])
+        top, ids = logits.topk(k, dim=-1)  # log-softmax of the top k only: no [depths, vocab] intermediate
+        logp = top - torch.logsumexp(logits, dim=-1, keepdim=True)
         self.tree = RoundTree(*build_tree(logp, ids, self.settings.budget))
 
     def _stage_verify(self) -> None:
