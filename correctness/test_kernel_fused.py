@@ -20,19 +20,18 @@ all (a rounding placed at the wrong point makes a large fraction differ). v is c
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import fused
+
+from correctness.kernel_harness import assert_interpreted_ok, graph_time_us
 from kernels.fused import (qk_norm_rope_store, qk_norm_rope_store_reference, qk_norm_rope_store_triton, rmsnorm,
                            rmsnorm_reference, rmsnorm_triton, silu_mul, silu_mul_reference, silu_mul_triton)
 
-ROOT = Path(__file__).resolve().parents[1]
 EPS = 1e-6
 
 
@@ -198,23 +197,13 @@ def _interp_silu() -> str:
 CHECKS = {"rmsnorm": _interp_rmsnorm, "qk": _interp_qk, "silu": _interp_silu}
 
 
-def run_interpreted(name: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore",
-               CUDA_VISIBLE_DEVICES="")
-    env.pop("ENGINE_DISABLE_TRITON", None)
-    return subprocess.run([sys.executable, "-m", "correctness.test_kernel_fused", name], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=300)
-
-
 # ---------------------------------------------------------------------------------------------------- CPU tests
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_triton_kernels_under_interpreter(name):
     pytest.importorskip("triton")
-    proc = run_interpreted(name)
-    assert proc.returncode == 0 and "OK" in proc.stdout, \
-        f"interpreter check {name} failed\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert_interpreted_ok("correctness.test_kernel_fused", name)
 
 
 @pytest.mark.cpu
@@ -435,26 +424,6 @@ def test_gpu_cuda_graph():
         assert_close(act, want_act, f"graph step {step} act")
 
 
-def _graph_time_us(fn, reps: int = 100, iters: int = 5) -> float:
-    """Microseconds per call: `reps` calls captured in one CUDA graph, the graph replayed `iters` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (iters * reps) * 1e6
-
-
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_timings():
@@ -468,8 +437,8 @@ def test_gpu_timings():
         w = rand(gen, N, dtype=BF16, device=dev)
         y, h = torch.empty_like(x), torch.empty_like(x)
         lines.append((f"rmsnorm+residual N={N} T={T}",
-                      _graph_time_us(lambda: rmsnorm_triton(x, w, EPS, res, out=y, h_out=h)),
-                      _graph_time_us(lambda: rmsnorm_reference(x, w, EPS, res))))
+                      graph_time_us(lambda: rmsnorm_triton(x, w, EPS, res, out=y, h_out=h)),
+                      graph_time_us(lambda: rmsnorm_reference(x, w, EPS, res))))
         for norms in ("both", None):
             case = qk_case(gen, 1, T, H, KVH, D, D, norms, BF16, dev, cap=CAP, start=1000, layers=2, pad=0)
             kc, vc = case["k_base"][1], case["v_base"][1]
@@ -477,13 +446,13 @@ def test_gpu_timings():
                     case["slots"])
             q = torch.empty(1, H, T, D, dtype=BF16, device=dev)
             lines.append((f"qk_norm_rope_store H={H} KVH={KVH} D={D} norms={norms} T={T}",
-                          _graph_time_us(lambda: qk_norm_rope_store_triton(*args, out=q)),
-                          _graph_time_us(lambda: qk_norm_rope_store_reference(*args))))
+                          graph_time_us(lambda: qk_norm_rope_store_triton(*args, out=q)),
+                          graph_time_us(lambda: qk_norm_rope_store_reference(*args))))
         for I in (14336, 12288):
             gu = rand(gen, T, 2 * I, dtype=BF16, device=dev)
             act = torch.empty(T, I, dtype=BF16, device=dev)
-            lines.append((f"silu_mul I={I} T={T}", _graph_time_us(lambda: silu_mul_triton(gu, out=act)),
-                          _graph_time_us(lambda: silu_mul_reference(gu))))
+            lines.append((f"silu_mul I={I} T={T}", graph_time_us(lambda: silu_mul_triton(gu, out=act)),
+                          graph_time_us(lambda: silu_mul_reference(gu))))
     for name, us, ref in lines:
         print(f"{name}: triton {us:.1f} us, reference {ref:.1f} us")
     assert all(us > 0 for _, us, _ in lines)

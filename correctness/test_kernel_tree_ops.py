@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import tree_ops
+
+from correctness.kernel_harness import assert_interpreted_ok, graph_time_us
 from kernels.tree_ops import (build_tree_reference, build_tree_triton, compact_kv_reference, compact_kv_triton,
                               walk_tree_reference, walk_tree_triton)
 
-ROOT = Path(__file__).resolve().parents[1]
 POISON = -777
 MASK_POISON = 0xAB
 
@@ -287,23 +286,13 @@ def _interp_compact() -> str:
 CHECKS = {"build": _interp_build, "ties": _interp_ties, "walk": _interp_walk, "compact": _interp_compact}
 
 
-def run_interpreted(name: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore",
-               CUDA_VISIBLE_DEVICES="")
-    env.pop("ENGINE_DISABLE_TRITON", None)
-    return subprocess.run([sys.executable, "-m", "correctness.test_kernel_tree_ops", name], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=300)
-
-
 # ---------------------------------------------------------------------------------------------------- CPU tests
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_triton_kernels_under_interpreter(name):
     pytest.importorskip("triton")
-    proc = run_interpreted(name)
-    assert proc.returncode == 0 and "OK" in proc.stdout, \
-        f"interpreter check {name} failed\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert_interpreted_ok("correctness.test_kernel_tree_ops", name)
 
 
 @pytest.mark.cpu
@@ -517,26 +506,6 @@ def test_gpu_cuda_graph_round():
         assert torch.equal(kc, wk) and torch.equal(vc, wv), f"graph trial {trial}: compacted cache"
 
 
-def _graph_time_us(fn, reps: int = 50, iters: int = 20) -> float:
-    """Per-call GPU time of fn captured `reps` times in one CUDA graph (launch gaps included)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (iters * reps) * 1e6
-
-
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_timings():
@@ -547,11 +516,11 @@ def test_gpu_timings():
     for budget in (15, 32, 64):
         _, logp, ids = topk_inputs(gen, 15, 8, VOCAB, dev)
         out = build_out(budget, dev)
-        times[f"build_tree budget {budget}"] = _graph_time_us(lambda: build_tree_triton(logp, ids, budget, out=out))
+        times[f"build_tree budget {budget}"] = graph_time_us(lambda: build_tree_triton(logp, ids, budget, out=out))
     tree = build_tree_triton(logp, ids, 64)
     post = posterior_for_path(random.Random(15), tree, VOCAB, int(tree[4])).to(dev)
     wout = walk_out(15, dev)
-    times["walk_tree budget 64"] = _graph_time_us(lambda: walk_tree_triton(post, tree[0], tree[1], tree[4], 15,
+    times["walk_tree budget 64"] = graph_time_us(lambda: walk_tree_triton(post, tree[0], tree[1], tree[4], 15,
                                                                            out=wout))
     k = torch.randn(36, 1, 8, 4096, 128, device=dev).to(torch.bfloat16)
     v = torch.randn_like(k)
@@ -559,7 +528,7 @@ def test_gpu_timings():
     path = torch.tensor([0, 2, 3, 9, 17, 30, 41, 50, 63] + [0] * 7, device=dev)
     for acc in (1, 9):
         acc_t = torch.tensor(acc, device=dev)
-        times[f"compact_kv 36x8x4096x128 bf16 accepted {acc}"] = _graph_time_us(
+        times[f"compact_kv 36x8x4096x128 bf16 accepted {acc}"] = graph_time_us(
             lambda: compact_kv_triton(k, v, start, path, acc_t))
     for name, us in times.items():
         print(f"{name}: {us:.1f} us")

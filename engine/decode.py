@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.tree_ops import build_tree, compact_kv, triton_disabled, walk_tree
+from kernels import triton_disabled
+from kernels.tree_ops import build_tree, compact_kv, walk_tree
 
 from .draft import DraftInput, Drafter
 from .errors import EngineError

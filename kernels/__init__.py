@@ -7,3 +7,10 @@
 Each public function dispatches to its Triton kernel for CUDA tensors and to the reference otherwise;
 ENGINE_DISABLE_TRITON=1 forces the references everywhere.
 """
+
+import os
+
+
+def triton_disabled() -> bool:
+    """ENGINE_DISABLE_TRITON=1 (read at each call) makes every dispatcher use its PyTorch reference."""
+    return os.environ.get("ENGINE_DISABLE_TRITON", "0").strip().lower() not in ("", "0", "false", "no")

@@ -60,7 +60,7 @@ except ImportError:  # no Triton (a CPU-only platform without wheels): the refer
     triton = None
     tl = None
 
-from kernels.tree_ops import triton_disabled
+from kernels import triton_disabled
 
 __all__ = [
     "rmsnorm", "rmsnorm_reference", "rmsnorm_triton",

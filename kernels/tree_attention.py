@@ -41,10 +41,11 @@ slower.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
+
+from kernels import triton_disabled
 
 try:
     import triton
@@ -331,11 +332,6 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             out.stride(0), out.stride(1), out.stride(2),
             D=D, D_P2=d_p2, BLOCK_R=block_r, num_warps=2, enable_fp_fusion=False)
     return out
-
-
-def triton_disabled() -> bool:
-    """ENGINE_DISABLE_TRITON=1 (read at each call) makes `tree_attention` use the reference."""
-    return os.environ.get("ENGINE_DISABLE_TRITON", "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start, node_mask: torch.Tensor,

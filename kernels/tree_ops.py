@@ -54,10 +54,11 @@ column at every step. Programs never touch each other's rows.
 from __future__ import annotations
 
 import heapq
-import os
 
 import numpy as np
 import torch
+
+from kernels import triton_disabled
 
 try:
     import triton
@@ -72,11 +73,6 @@ __all__ = [
     "compact_kv", "compact_kv_reference", "compact_kv_triton",
     "triton_disabled",
 ]
-
-
-def triton_disabled() -> bool:
-    """ENGINE_DISABLE_TRITON=1 (read at each call) makes the dispatchers use the references."""
-    return os.environ.get("ENGINE_DISABLE_TRITON", "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def _use_triton(t: torch.Tensor) -> bool:
