@@ -38,6 +38,34 @@ class Method:
         raise EngineError(f"bad method {name!r} (ar, dflash or ddtree-<budget>)")
 
 
+def measure(decoder: Decoder, ids: list[int], new_tokens: int, stop, reference, repeats: int, warmup: int,
+            tolerance: float, on_run=None) -> dict:
+    """The measurement harness: `warmup` untimed then `repeats` timed generations of one decoder; median, min and
+    max decode tok/s, tau, acceptance lengths, median ms per round per stage, TTFT, and the exactness verdict
+    against the AR `reference` (a GenerationResult with margins)."""
+    runs = []
+    for _ in range(warmup + repeats):
+        runs.append(decoder.generate(ids, new_tokens, stop))
+        if on_run is not None:
+            on_run()
+    runs = runs[warmup:]
+    first = runs[0]
+    verdict = compare_tokens(reference.tokens, reference.margins, first.tokens, tolerance)
+    tok_s = [r.tok_s for r in runs]
+    return dict(prompt_tokens=len(ids), new_tokens=len(first.tokens), tok_s_median=statistics.median(tok_s),
+                tok_s_min=min(tok_s), tok_s_max=max(tok_s), tau=first.tau, rounds=first.rounds,
+                acceptance_lengths=first.acceptance_lengths,
+                stage_ms={k: statistics.median(r.stage_ms.get(k, 0.0) for r in runs) for k in first.stage_ms},
+                ttft_ms=statistics.median(r.prefill_s for r in runs) * 1e3,
+                lossless=verdict.ok, exactness=verdict.describe())
+
+
+def synthetic_drafter(target: Target, drafter, miss_rate: float, max_length: int) -> OracleDrafter:
+    """Synthetic acceptance: `drafter` still runs every round (real cost), an oracle replaces its proposals."""
+    return OracleDrafter([], target.model.cfg.vocab_size, drafter.block_size, miss_rate=miss_rate,
+                         device=target.model.device, cost=drafter, max_length=max_length)
+
+
 def run_matrix(target: Target, drafter, methods: list[Method], workloads: list[str], lengths: dict[str, int],
                repeats: int = 1, warmup: int = 1, stop_at_eos: bool = False, progress: bool = True,
                synthetic_miss_rate: float | None = None) -> list[dict]:
@@ -52,8 +80,7 @@ def run_matrix(target: Target, drafter, methods: list[Method], workloads: list[s
     oracle = None
     if synthetic_miss_rate is not None and drafter is not None:
         longest = max(len(prompt_ids(target, w)) for w in workloads) + max(lengths.values())
-        oracle = OracleDrafter([], target.model.cfg.vocab_size, drafter.block_size, miss_rate=synthetic_miss_rate,
-                               device=target.model.device, cost=drafter, max_length=longest)
+        oracle = synthetic_drafter(target, drafter, synthetic_miss_rate, longest)
         drafter = oracle
     decoders = {m.name: Decoder(target.model, drafter if m.settings.method != "ar" else None, m.settings)
                 for m in methods}
@@ -73,24 +100,11 @@ def run_matrix(target: Target, drafter, methods: list[Method], workloads: list[s
                 oracle.set_reference(ids + reference.tokens)
             for m in methods:
                 bar.set_postfix_str(f"{workload}/{length_name}/{m.name}")
-                runs = []
-                for _ in range(warmup + repeats):
-                    runs.append(decoders[m.name].generate(ids, new_tokens, stop))
-                    bar.update()
-                runs = runs[warmup:]
-                first = runs[0]
-                verdict = compare_tokens(reference.tokens, reference.margins, first.tokens, tolerance)
-                tok_s = [r.tok_s for r in runs]
-                records.append(dict(
-                    workload=workload, length=length_name, method=m.name, prompt_tokens=len(ids),
-                    new_tokens=len(first.tokens), tok_s_median=statistics.median(tok_s), tok_s_min=min(tok_s),
-                    tok_s_max=max(tok_s), tau=first.tau, rounds=first.rounds,
-                    acceptance_lengths=first.acceptance_lengths,
-                    stage_ms={k: statistics.median(r.stage_ms.get(k, 0.0) for r in runs) for k in first.stage_ms},
-                    ttft_ms=statistics.median(r.prefill_s for r in runs) * 1e3,
-                    lossless=verdict.ok, exactness=verdict.describe(),
-                    acceptance="synthetic" if oracle is not None and m.settings.method != "ar" else "real",
-                ))
+                record = measure(decoders[m.name], ids, new_tokens, stop, reference, repeats, warmup, tolerance,
+                                 on_run=bar.update)
+                record.update(workload=workload, length=length_name, method=m.name,
+                              acceptance="synthetic" if oracle is not None and m.settings.method != "ar" else "real")
+                records.append(record)
     bar.close()
     return records
 

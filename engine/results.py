@@ -51,3 +51,25 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     return env
+
+
+def gpu_telemetry(index: int = 0) -> dict | None:
+    """Name, driver, clocks, power, temperature and throttle reasons of a GPU through NVML (no CUDA context)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        name = pynvml.nvmlDeviceGetName(h)
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        return dict(
+            name=name.decode() if isinstance(name, bytes) else name,
+            driver=driver.decode() if isinstance(driver, bytes) else driver,
+            sm_clock_mhz=pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+            mem_clock_mhz=pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+            power_w=pynvml.nvmlDeviceGetPowerUsage(h) / 1000,
+            temperature_c=pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
+            throttle_reasons=hex(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h)),
+        )
+    except Exception:  # no NVIDIA driver, no GPU, or an NVML call this driver lacks
+        return None

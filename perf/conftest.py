@@ -1,0 +1,67 @@
+"""The performance suite's options, GPU discovery (NVML, without creating a CUDA context in this process),
+one GPU per pytest-xdist worker, and the shared measurement harness with its results file."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from perf.floors import FLOORS_PATH, FloorsError, load
+
+WIDTHS = (1, 2, 4, 8)
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("perf", "performance regression suite")
+    g.addoption("--target", default=os.environ.get("PERF_TARGET"),
+                help="your own target (HF directory, .gguf, synthetic:<preset>); env PERF_TARGET")
+    g.addoption("--draft", default=os.environ.get("PERF_DRAFT", "default"),
+                help="draft for --target (DFlash directory, random:N, default); env PERF_DRAFT")
+    g.addoption("--require-floors", action="store_true", help="fail, instead of skip, where a floor is missing")
+    g.addoption("--floors", default=str(FLOORS_PATH), help="floors file (default perf/floors.json)")
+    g.addoption("--perf-results", default="perf-results.json",
+                help="results file of this run (under xdist, one per worker: NAME.gwN.json)")
+
+
+def visible_gpus() -> list[int]:
+    """Indices of the GPUs this process may use, counted through NVML (no CUDA context is created)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+    except Exception:
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    return [int(i) for i in visible.split(",") if i.strip().isdigit() and int(i) < count]
+
+
+def pytest_configure(config):
+    # One GPU per xdist worker, chosen before anything creates a CUDA context: `pytest perf -m tp1 -n 8`.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    gpus = visible_gpus()
+    if worker and gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpus[int(worker.removeprefix("gw")) % len(gpus)])
+    if worker and not gpus:
+        import torch
+
+        torch.set_num_threads(1)  # CPU workers share the cores: oversubscribed intra-op threads crawl
+
+
+@pytest.fixture(scope="session")
+def floors(pytestconfig):
+    try:
+        return load(pytestconfig.getoption("floors"))
+    except FloorsError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+@pytest.fixture(scope="session")
+def harness(pytestconfig):
+    from perf.harness import Harness
+
+    h = Harness(pytestconfig)
+    yield h
+    h.write_results()

@@ -1,0 +1,110 @@
+"""Performance floors: a checked-in JSON file of minimum tok/s and acceptance length (tau), keyed by device,
+tensor-parallel width, model pair, workload, length and method.
+
+    python -m perf.floors record perf-results.json [more.json ...] --margin 0.9 --tau-margin 0.98
+
+writes or updates the floors from a run's results (perf/floors.json by default; atomic). tok/s floors are kept
+for GPUs only (a CPU's timings are not a gate); tau floors hold on CPUs too (greedy decoding is deterministic).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+FLOORS_PATH = Path(__file__).with_name("floors.json")
+KEY_FIELDS = ("device", "tp", "pair", "workload", "length", "method")
+
+
+class FloorsError(ValueError):
+    """A malformed floors or results file."""
+
+
+def floor_key(device: str, tp: int, pair: str, workload: str, length: str, method: str) -> tuple:
+    return (device, int(tp), pair, workload, length, method)
+
+
+def load(path: Path = FLOORS_PATH) -> dict[tuple, dict]:
+    """Floors by key; an absent file means no floors. Any malformation is one FloorsError naming it."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise FloorsError(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("floors"), list):
+        raise FloorsError(f"{path}: expected {{\"version\": 1, \"floors\": [...]}}")
+    floors = {}
+    for i, entry in enumerate(data["floors"]):
+        where = f"{path}: floors[{i}]"
+        if not isinstance(entry, dict):
+            raise FloorsError(f"{where}: not an object")
+        missing = [f for f in KEY_FIELDS if f not in entry]
+        if missing:
+            raise FloorsError(f"{where}: missing field {missing[0]!r}")
+        for name in ("tok_s", "tau"):
+            value = entry.get(name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+                raise FloorsError(f"{where}: {name} must be a positive number or null, got {value!r}")
+        if not isinstance(entry["tp"], int) or entry["tp"] < 1:
+            raise FloorsError(f"{where}: tp must be a positive integer, got {entry['tp']!r}")
+        key = floor_key(*(entry[f] for f in KEY_FIELDS))
+        if key in floors:
+            raise FloorsError(f"{where}: duplicate key {key}")
+        floors[key] = entry
+    return floors
+
+
+def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: float = 0.9,
+           tau_margin: float = 0.98) -> int:
+    """Write floors from measured results: tok/s floor = measured * margin (GPUs only), tau floor =
+    measured * tau_margin. Existing floors for other keys are kept. Returns the number of floors written."""
+    if not 0 < margin <= 1 or not 0 < tau_margin <= 1:
+        raise FloorsError(f"margins must be in (0, 1], got --margin {margin} --tau-margin {tau_margin}")
+    floors = load(floors_path)
+    written = 0
+    for path in result_files:
+        try:
+            results = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise FloorsError(f"{path}: unreadable results ({e})") from None
+        records = results.get("records") if isinstance(results, dict) else None
+        if not isinstance(records, list):
+            raise FloorsError(f"{path}: expected a perf results file with a 'records' list")
+        for r in records:
+            if not r.get("lossless", False):
+                continue  # never raise a floor from output that was not right
+            key = floor_key(*(r[f] for f in KEY_FIELDS))
+            gpu = r["device"] != "cpu"
+            floors[key] = dict(zip(KEY_FIELDS, key), tok_s=round(r["tok_s_median"] * margin, 2) if gpu else None,
+                               tau=round(r["tau"] * tau_margin, 3))
+            written += 1
+    from engine.results import write_json
+
+    write_json(floors_path, dict(version=1, floors=sorted(floors.values(), key=lambda e: tuple(map(str, e.values())))))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m perf.floors", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("record", help="write or update floors from perf results files")
+    r.add_argument("results", nargs="+", type=Path)
+    r.add_argument("--floors", type=Path, default=FLOORS_PATH)
+    r.add_argument("--margin", type=float, default=0.9, help="tok/s floor = measured median * margin")
+    r.add_argument("--tau-margin", type=float, default=0.98, help="tau floor = measured tau * tau margin")
+    args = p.parse_args(argv)
+    try:
+        n = record(args.results, args.floors, args.margin, args.tau_margin)
+    except FloorsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{n} floors written to {args.floors}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

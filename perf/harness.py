@@ -1,0 +1,97 @@
+"""The perf suite's side of the measurement harness: model pairs, cached targets, drafters, decoders and AR
+references, one record per (pair, workload, length, method), and the results file. The timing itself is
+engine.bench.measure, shared with `python -m engine bench`."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine import Decoder, load_drafter, load_target
+from engine.bench import Method, measure, synthetic_drafter
+from engine.exactness import tolerance_for
+from engine.results import environment, gpu_telemetry, write_json
+from engine.workloads import prompt_ids
+
+SYNTHETIC_MISS_RATE = 0.25
+CPU_LENGTHS = {"short": 32}
+GPU_LENGTHS = {"short": 256}
+
+
+def pair_specs(config, on_gpu: bool) -> dict[str, tuple[str, str, float | None]]:
+    """name -> (target, draft, synthetic miss rate or None for real acceptance)."""
+    pairs = {"default": ("smollm2-135m", "default", None),
+             "default-synthetic": ("smollm2-135m", "default", SYNTHETIC_MISS_RATE)}
+    if on_gpu:
+        pairs["qwen3-8b-synthetic"] = ("synthetic:qwen3-8b", "random:5", SYNTHETIC_MISS_RATE)
+    if config.getoption("target"):
+        target, draft = config.getoption("target"), config.getoption("draft")
+        pairs[f"user:{target}|{draft}"] = (target, draft, None)
+    return pairs
+
+
+class Harness:
+    def __init__(self, config):
+        self.config = config
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda" if self.on_gpu else "cpu")
+        self.dtype = torch.bfloat16 if self.on_gpu else torch.float32
+        telemetry = gpu_telemetry() if self.on_gpu else None
+        self.device_name = telemetry["name"] if telemetry else "cpu"
+        self.lengths = GPU_LENGTHS if self.on_gpu else CPU_LENGTHS
+        self.repeats, self.warmup = (3, 1) if self.on_gpu else (1, 0)
+        self.pairs = pair_specs(config, self.on_gpu)
+        self.records: list[dict] = []
+        self._targets, self._drafters, self._decoders, self._references, self._measured = {}, {}, {}, {}, {}
+
+    def _target(self, spec: str):
+        if spec not in self._targets:
+            self._targets[spec] = load_target(spec, self.device, self.dtype)
+        return self._targets[spec]
+
+    def _drafter(self, pair: str):
+        if pair not in self._drafters:
+            target_spec, draft_spec, miss_rate = self.pairs[pair]
+            target = self._target(target_spec)
+            drafter = load_drafter(draft_spec, target)
+            if miss_rate is not None:
+                longest = max(len(prompt_ids(target, w)) for w in ("fib", "qsort", "arith", "json"))
+                drafter = synthetic_drafter(target, drafter, miss_rate, longest + max(self.lengths.values()))
+            self._drafters[pair] = drafter
+        return self._drafters[pair]
+
+    def measure(self, pair: str, workload: str, length: str, method: str) -> dict:
+        key = (pair, workload, length, method)
+        if key in self._measured:
+            return self._measured[key]
+        target_spec, _, miss_rate = self.pairs[pair]
+        target = self._target(target_spec)
+        ids, new_tokens = prompt_ids(target, workload), self.lengths[length]
+        ref_key = (target_spec, workload, length)
+        if ref_key not in self._references:
+            self._references[ref_key] = Decoder(target.model).generate(ids, new_tokens, record_margins=True)
+        reference = self._references[ref_key]
+        m = Method.parse(method, topk_cap=8)
+        drafter = self._drafter(pair) if m.settings.method != "ar" else None
+        if miss_rate is not None and drafter is not None:
+            drafter.set_reference(ids + reference.tokens)
+        if (pair, method) not in self._decoders:
+            self._decoders[(pair, method)] = Decoder(target.model, drafter, m.settings)
+        record = measure(self._decoders[(pair, method)], ids, new_tokens, (), reference, self.repeats, self.warmup,
+                         tolerance_for(self.dtype))
+        record.update(device=self.device_name, tp=1, pair=pair, workload=workload, length=length, method=method,
+                      acceptance="synthetic" if miss_rate is not None and drafter is not None else "real",
+                      telemetry=gpu_telemetry() if self.on_gpu else None)
+        self._measured[key] = record
+        self.records.append(record)
+        return record
+
+    def write_results(self) -> None:
+        if not self.records:
+            return
+        path = self.config.getoption("perf_results")
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        if worker:
+            stem, dot, ext = path.rpartition(".")
+            path = f"{stem}.{worker}.{ext}" if dot else f"{path}.{worker}"
+        write_json(path, dict(environment=environment(self.device), records=self.records))

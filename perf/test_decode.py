@@ -1,0 +1,70 @@
+"""Acceptance-length and tokens/s floors per tensor-parallel width, model pair, workload and method.
+
+`pytest perf -m tp1` on a GPU runner asserts both floors; on a CPU the acceptance floors are asserted (greedy
+decoding is deterministic) and tok/s floors skip with a reason. Floors live in perf/floors.json; record them
+from a run with `python -m perf.floors record perf-results*.json`. Pairs whose name ends in "-synthetic" use
+synthetic acceptance (the draft runs, an oracle built from the AR output replaces its proposals).
+"""
+from __future__ import annotations
+
+import pytest
+
+from perf.floors import floor_key
+from perf.harness import pair_specs
+
+WORKLOADS = ("fib", "qsort", "arith", "json")
+METHODS = ("ar", "dflash", "ddtree-15", "ddtree-16", "ddtree-32", "ddtree-64")
+WIDTHS = [pytest.param(w, marks=getattr(pytest.mark, f"tp{w}"), id=f"tp{w}") for w in (1, 2, 4, 8)]
+
+
+def pytest_generate_tests(metafunc):
+    if "pair" in metafunc.fixturenames:
+        from perf.conftest import visible_gpus
+
+        metafunc.parametrize("pair", list(pair_specs(metafunc.config, bool(visible_gpus()))))
+
+
+def _skip_other_widths(tp: int) -> None:
+    if tp != 1:
+        pytest.skip(f"tp{tp}: the engine has no tensor-parallel mode yet, so width {tp} cannot run")
+
+
+def _floor(floors, pytestconfig, key, field):
+    entry = floors.get(key)
+    if entry is None or entry.get(field) is None:
+        msg = (f"no {field} floor for {key} in {pytestconfig.getoption('floors')}: record one with "
+               f"`python -m perf.floors record perf-results*.json`")
+        if pytestconfig.getoption("require_floors"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return entry[field]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("tp", WIDTHS)
+def test_acceptance_floor(harness, floors, pytestconfig, pair, tp, workload, method):
+    _skip_other_widths(tp)
+    for length in harness.lengths:
+        r = harness.measure(pair, workload, length, method)
+        assert r["lossless"], f"{pair}/{workload}/{method} diverged from AR: {r['exactness']}"
+        key = floor_key(harness.device_name, tp, pair, workload, length, method)
+        floor = _floor(floors, pytestconfig, key, "tau")
+        assert r["tau"] >= floor, (f"tau {r['tau']:.3f} below floor {floor} for {key}; "
+                                   f"acceptance lengths {r['acceptance_lengths']}; telemetry {r['telemetry']}")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("tp", WIDTHS)
+def test_throughput_floor(harness, floors, pytestconfig, pair, tp, workload, method):
+    _skip_other_widths(tp)
+    if not harness.on_gpu:
+        pytest.skip("tok/s floors are asserted on GPUs only (CPU timings are recorded, not gated)")
+    for length in harness.lengths:
+        r = harness.measure(pair, workload, length, method)
+        key = floor_key(harness.device_name, tp, pair, workload, length, method)
+        floor = _floor(floors, pytestconfig, key, "tok_s")
+        assert r["tok_s_median"] >= floor, (
+            f"{r['tok_s_median']:.1f} tok/s (min {r['tok_s_min']:.1f}, max {r['tok_s_max']:.1f}) below floor {floor} "
+            f"for {key}; stage ms {r['stage_ms']}; telemetry {r['telemetry']}")

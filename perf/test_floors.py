@@ -1,0 +1,66 @@
+"""The floors file: malformed files give one clear error; `record` writes floors from measured results."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from perf.floors import FloorsError, floor_key, load, main, record
+
+pytestmark = pytest.mark.cpu
+
+ENTRY = dict(device="cpu", tp=1, pair="default", workload="fib", length="short", method="ddtree-15", tok_s=None,
+             tau=2.5)
+
+
+def write(tmp_path, obj, name="floors.json"):
+    path = tmp_path / name
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return path
+
+
+@pytest.mark.parametrize("content,mentions", [
+    ("{not json", "malformed JSON"),
+    ({"version": 2, "floors": []}, "version"),
+    ({"version": 1, "floors": [{**ENTRY, "tau": -1}]}, "tau must be a positive number"),
+    ({"version": 1, "floors": [{k: v for k, v in ENTRY.items() if k != "method"}]}, "missing field 'method'"),
+    ({"version": 1, "floors": [ENTRY, ENTRY]}, "duplicate key"),
+    ({"version": 1, "floors": [{**ENTRY, "tp": 0}]}, "tp must be a positive integer"),
+    ({"version": 1, "floors": ["x"]}, "not an object"),
+])
+def test_malformed_floors(tmp_path, content, mentions):
+    with pytest.raises(FloorsError, match=mentions):
+        load(write(tmp_path, content))
+
+
+def test_load_and_missing_file(tmp_path):
+    floors = load(write(tmp_path, {"version": 1, "floors": [ENTRY]}))
+    assert floors[floor_key("cpu", 1, "default", "fib", "short", "ddtree-15")]["tau"] == 2.5
+    assert load(tmp_path / "absent.json") == {}
+
+
+def results(tmp_path, records):
+    base = dict(tp=1, pair="p", workload="fib", length="short", lossless=True, tau=3.0, tok_s_median=100.0)
+    return write(tmp_path, {"records": [{**base, **r} for r in records]}, "results.json")
+
+
+def test_record_writes_margins_and_keeps_other_floors(tmp_path):
+    floors_path = write(tmp_path, {"version": 1, "floors": [ENTRY]})
+    res = results(tmp_path, [dict(device="NVIDIA H200", method="ar"), dict(device="cpu", method="dflash"),
+                             dict(device="cpu", method="ddtree-32", lossless=False)])
+    assert record([res], floors_path, margin=0.9, tau_margin=0.5) == 2
+    floors = load(floors_path)
+    gpu = floors[floor_key("NVIDIA H200", 1, "p", "fib", "short", "ar")]
+    cpu = floors[floor_key("cpu", 1, "p", "fib", "short", "dflash")]
+    assert gpu["tok_s"] == 90.0 and gpu["tau"] == 1.5
+    assert cpu["tok_s"] is None and cpu["tau"] == 1.5         # CPU timings are not floors
+    assert floor_key("cpu", 1, "p", "fib", "short", "ddtree-32") not in floors  # never from a lossy run
+    assert floor_key(*(ENTRY[k] for k in ("device", "tp", "pair", "workload", "length", "method"))) in floors
+
+
+def test_record_cli_errors(tmp_path, capsys):
+    assert main(["record", str(write(tmp_path, "[]", "bad.json")), "--floors", str(tmp_path / "f.json")]) == 2
+    assert "records" in capsys.readouterr().err
+    assert main(["record", str(results(tmp_path, [dict(device="cpu", method="ar")])), "--margin", "1.5",
+                 "--floors", str(tmp_path / "f.json")]) == 2
+    assert not (tmp_path / "f.json").exists()
