@@ -2,7 +2,8 @@
 
 - tree_attention: queries are a draft tree's nodes, keys the committed cache plus the nodes, an ancestor mask
   decides visibility (split along the keys for long contexts);
-- tree_ops: best-first tree build, the walk, and KV-cache compaction for all layers in one launch.
+- tree_ops: best-first tree build, the walk, and KV-cache compaction for all layers in one launch;
+- fused: RMSNorm + residual add, q/k RMSNorm + RoPE + KV-cache store, SiLU(gate) * up.
 
 Each public function dispatches to its Triton kernel for CUDA tensors and to the reference otherwise;
 ENGINE_DISABLE_TRITON=1 forces the references everywhere.
