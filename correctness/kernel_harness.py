@@ -48,3 +48,13 @@ def graph_time_us(fn, reps: int = 50, iters: int = 20) -> float:
         graph.replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / (iters * reps) * 1e6
+
+
+def run_checks_main(checks: dict) -> None:
+    """`python -m correctness.test_kernel_X [CHECK ...]` under TRITON_INTERPRET=1: run the named checks, print OK."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("set TRITON_INTERPRET=1")
+    for check in sys.argv[1:] or sorted(checks):
+        t0 = time.perf_counter()
+        print(f"{check}: {checks[check]()} in {time.perf_counter() - t0:.1f}s")
+    print("OK")

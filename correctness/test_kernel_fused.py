@@ -19,16 +19,13 @@ all (a rounding placed at the wrong point makes a large fraction differ). v is c
 """
 from __future__ import annotations
 
-import os
-import sys
-import time
 
 import pytest
 import torch
 
 from kernels import fused
 
-from correctness.kernel_harness import assert_interpreted_ok, graph_time_us
+from correctness.kernel_harness import assert_interpreted_ok, graph_time_us, run_checks_main
 from kernels.fused import (qk_norm_rope_store, qk_norm_rope_store_reference, qk_norm_rope_store_triton, rmsnorm,
                            rmsnorm_reference, rmsnorm_triton, silu_mul, silu_mul_reference, silu_mul_triton)
 
@@ -459,9 +456,4 @@ def test_gpu_timings():
 
 
 if __name__ == "__main__":  # python -m correctness.test_kernel_fused CHECK  (with TRITON_INTERPRET=1)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("set TRITON_INTERPRET=1")
-    for check in sys.argv[1:] or sorted(CHECKS):
-        t0 = time.perf_counter()
-        print(f"{check}: {CHECKS[check]()} in {time.perf_counter() - t0:.1f}s")
-    print("OK")
+    run_checks_main(CHECKS)

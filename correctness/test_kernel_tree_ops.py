@@ -13,17 +13,14 @@ kernel and of the reference is the same, operation for operation).
 """
 from __future__ import annotations
 
-import os
 import random
-import sys
-import time
 
 import pytest
 import torch
 
 from kernels import tree_ops
 
-from correctness.kernel_harness import assert_interpreted_ok, graph_time_us
+from correctness.kernel_harness import assert_interpreted_ok, graph_time_us, run_checks_main
 from kernels.tree_ops import (build_tree_reference, build_tree_triton, compact_kv_reference, compact_kv_triton,
                               walk_tree_reference, walk_tree_triton)
 
@@ -509,7 +506,7 @@ def test_gpu_cuda_graph_round():
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_timings():
-    """Prints per-call times (pytest -s); build_tree at budget 64 must stay well under 50 microseconds."""
+    """Prints per-call times of the three kernels (pytest -s): timing floors belong in perf/, not here."""
     dev = "cuda"
     gen = torch.Generator().manual_seed(15)
     times = {}
@@ -532,13 +529,7 @@ def test_gpu_timings():
             lambda: compact_kv_triton(k, v, start, path, acc_t))
     for name, us in times.items():
         print(f"{name}: {us:.1f} us")
-    assert times["build_tree budget 64"] < 50, times
 
 
 if __name__ == "__main__":  # python -m correctness.test_kernel_tree_ops CHECK  (with TRITON_INTERPRET=1)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("set TRITON_INTERPRET=1")
-    for check in sys.argv[1:] or sorted(CHECKS):
-        t0 = time.perf_counter()
-        print(f"{check}: {CHECKS[check]()} in {time.perf_counter() - t0:.1f}s")
-    print("OK")
+    run_checks_main(CHECKS)

@@ -83,6 +83,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def _deliver(result, out, specs, device):
+    """A reference's host results, on the inputs' device: new tensors, or copied into `out`."""
+    if out is None:
+        return tuple(t.to(device) for t in result)
+    out = _check_out(out, specs, device)
+    for o, t in zip(out, result):
+        o.copy_(t)
+    return out
+
+
 def _check_out(out, specs, device):
     """out: None or a tuple of tensors matching specs [(shape, dtype)]; returns the tensors to write."""
     if out is None:
@@ -154,12 +164,7 @@ def build_tree_reference(topk_logp: torch.Tensor, topk_ids: torch.Tensor, budget
     result = (torch.tensor(tokens + [0] * pad, dtype=torch.long), torch.tensor(parents + [-1] * pad, dtype=torch.long),
               torch.tensor(depths + [0] * pad, dtype=torch.long), visible, torch.tensor(n, dtype=torch.long))
     dev = topk_logp.device
-    if out is None:
-        return tuple(t.to(dev) for t in result)
-    out = _check_out(out, _build_specs(budget), dev)
-    for o, t in zip(out, result):
-        o.copy_(t)
-    return out
+    return _deliver(result, out, _build_specs(budget), dev)
 
 
 def walk_tree_reference(posterior: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, count, max_depth: int,
@@ -180,12 +185,7 @@ def walk_tree_reference(posterior: torch.Tensor, tokens: torch.Tensor, parents: 
     result = (torch.tensor(path + [0] * (max_depth + 1 - accepted), dtype=torch.long),
               torch.tensor(accepted, dtype=torch.long), torch.tensor(post[path[-1]], dtype=torch.long))
     dev = posterior.device
-    if out is None:
-        return tuple(t.to(dev) for t in result)
-    out = _check_out(out, _walk_specs(max_depth), dev)
-    for o, t in zip(out, result):
-        o.copy_(t)
-    return out
+    return _deliver(result, out, _walk_specs(max_depth), dev)
 
 
 def compact_kv_reference(k: torch.Tensor, v: torch.Tensor, start, path: torch.Tensor, accepted) -> None:
