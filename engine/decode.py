@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import triton_disabled
+from kernels.topk import topk_logprobs
 from kernels.tree_ops import build_tree, compact_kv, walk_tree
 
 from .draft import DraftInput, Drafter
@@ -146,10 +147,8 @@ class Decoder:
         if self.settings.method == "dflash":
             self.tree.tokens.copy_(self.draft_logits.argmax(-1))
             return
-        logits = self.draft_logits.float()
-        k = min(self.settings.budget, self.settings.topk_cap, logits.shape[-1])
-        top, ids = logits.topk(k, dim=-1)  # log-softmax of the top k only: no [depths, vocab] intermediate
-        logp = top - torch.logsumexp(logits, dim=-1, keepdim=True)
+        k = min(self.settings.budget, self.settings.topk_cap, self.draft_logits.shape[-1])
+        logp, ids = topk_logprobs(self.draft_logits, k)
         self.tree = RoundTree(*build_tree(logp, ids, self.settings.budget))
 
     def _stage_verify(self) -> None:

@@ -2,6 +2,7 @@
 
 - tree_attention: queries are a draft tree's nodes, keys the committed cache plus the nodes, an ancestor mask
   decides visibility (split along the keys for long contexts);
+- topk: the top-k tokens and log-probabilities of each draft depth (the tree builder's input);
 - tree_ops: best-first tree build, the walk, and KV-cache compaction for all layers in one launch;
 - fused: RMSNorm + residual add, q/k RMSNorm + RoPE + KV-cache store, SiLU(gate) * up.
 
