@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from correctness.kernel_harness import assert_interpreted_ok, run_checks_main
 from kernels import tree_attention as ta
 from kernels.tree_attention import tree_attention, tree_attention_reference, tree_attention_triton
 
@@ -485,3 +486,60 @@ def test_gpu_dispatch_and_disable_flag(monkeypatch):
     q2, k2, v2 = make_qkv(1, 9, 3, big_T, 64, 600, torch.bfloat16, "contig", gen, device="cuda")
     ta.tree_attention(q2, k2, v2, 10, torch.ones(big_T, big_T, dtype=torch.bool, device="cuda"))
     assert calls == [1, 1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Verification reproduces decoding bit for bit (CPU under the interpreter, and GPU)
+
+def decode_invariance_errors(H, KVH, D, CAP, T, starts, mask_kind, dtype, device, **kw) -> list[str]:
+    """Each row of a T-row pass must equal, bit for bit, the one-token step that decoding runs for it: its
+    visible new rows (ancestors) committed contiguously after `start`, the token itself last."""
+    gen = seeded(f"invariance-{H}-{T}-{mask_kind}")
+    q, k, v = make_qkv(1, H, KVH, T, D, CAP, dtype, "contig", gen, q_std=3.0)
+    q, k, v = q.to(device), k.to(device), v.to(device)
+    mask = make_mask(mask_kind, T, gen).to(device)
+    one = torch.ones(1, 1, dtype=torch.bool, device=device)
+    errors = []
+    for start in starts:
+        out = tree_attention_triton(q, k, v, start, mask, **kw)
+        for t in range(T):
+            seen = mask[t].nonzero()[:, 0]
+            k1, v1 = k.clone(), v.clone()
+            k1[:, :, start:start + len(seen)] = k[:, :, start + seen]
+            v1[:, :, start:start + len(seen)] = v[:, :, start + seen]
+            step = tree_attention_triton(q[:, :, t:t + 1], k1, v1, start + len(seen) - 1, one, **kw)
+            if not torch.equal(step[:, :, 0], out[:, :, t]):
+                diff = (step[:, :, 0].float() - out[:, :, t].float()).abs().max().item()
+                errors.append(f"start={start} row {t} ({len(seen)} visible new rows): differs by up to {diff:.3g}")
+    return errors
+
+
+def _interpreted_invariance() -> str:
+    n = 0
+    for mask_kind in ("tree", "chain"):
+        # starts around the 64-key block and (split_size=64) split boundaries, so the new rows straddle them
+        errors = decode_invariance_errors(4, 2, 16, 160, 9, (0, 37, 59, 64, 120), mask_kind, torch.bfloat16, "cpu",
+                                          split_size=64)
+        assert not errors, errors[:5]
+        n += 1
+    return f"{n} masks, rows bit-identical to one-token steps"
+
+
+@pytest.mark.cpu
+def test_interpreter_verify_rows_equal_decode_steps():
+    pytest.importorskip("triton")
+    assert_interpreted_ok("correctness.test_kernel_tree_attention", "invariance")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("H,KVH,D", GPU_SHAPES)
+def test_gpu_verify_rows_equal_decode_steps(H, KVH, D):
+    for T, kind in ((16, "chain"), (16, "tree"), (33, "deep")):
+        errors = decode_invariance_errors(H, KVH, D, 1100, T, (128, 190, 500 - T // 2, 1000), kind, torch.bfloat16,
+                                          "cuda")
+        assert not errors, f"T={T} {kind}: {errors[:5]}"
+
+
+if __name__ == "__main__":
+    run_checks_main({"invariance": _interpreted_invariance})

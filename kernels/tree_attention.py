@@ -20,23 +20,27 @@ Three entry points:
 - `tree_attention`: the dispatcher used by the engine (Triton on CUDA for T <= 128, else the reference).
   `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) or `use_triton=False` forces the reference.
 
-Kernel design (`_tree_attn_fwd`): grid (B * KVH, query tiles, key splits). One program owns one kv head and a
-tile of TILE_T query rows; its BLOCK_M = max(16, next_pow2(G)) rows (all G query heads of TILE_T = BLOCK_M // G
-tokens, masked past T) share every K/V block it loads. The tile shape does not depend on T, so a row's result is
-the same whether it is verified alone or with 64 others.
-Split s covers keys [s * SPLIT, (s + 1) * SPLIT) clipped to [0, start + T); the program walks it in BLOCK_N key
-blocks (tl.dot for Q K^T and P V, M, N and the padded head dim all >= 16) with an online softmax in base 2
-(running max, running sum, unnormalised float32 accumulator). Each block is masked by the rules above: keys below
-`start` are visible, key start + j is visible to row t iff node_mask[t, j], keys at or past start + T are never
-loaded and the loop stops before blocks beyond them. The loop comes in two parts: whole blocks inside the committed
-prefix (the bulk of the work: no key masking, no node_mask reads), then the few remaining blocks (the one crossing
-`start`, the new rows, the end of the range) with the full masking. The number of splits is cdiv(CAP, SPLIT): it does not depend on `start`, and a split that starts at or
-past start + T runs no iteration and writes a neutral partial (max -inf, sum 0, acc 0). With one split the kernel
-normalises and writes `out` directly; otherwise `_tree_attn_merge` combines the partials of BLOCK_R output rows
-split by split (log-sum-exp merge; neutral partials weigh 0 and a running max of -inf is never subtracted from
-itself, so no NaN). The block body is written inline rather than as a @triton.jit helper: under
-TRITON_INTERPRET=1 every device-function call re-patches triton.language, which made the CPU tests several times
-slower.
+Kernel design (`_tree_attn_fwd`): grid (B * KVH, T tokens, key splits). One program owns one token and one kv
+head; its BLOCK_M = max(16, next_pow2(G)) rows are the G query heads of that kv head (padded: tl.dot needs 16).
+The token's keys are taken in *logical order*: the committed rows 0..start-1, then its visible new rows in index
+order (a tree lists every ancestor before its descendants), logical key start + j being the visible new row of
+rank j. The program walks logical keys in BLOCK_N blocks (tl.dot for Q K^T and P V) with an online softmax in
+base 2 (running max, running sum, unnormalised float32 accumulator); blocks that reach the new rows gather their
+K/V rows through the rank mapping, and keys past the token's last one are masked. So a token's arithmetic, block
+by block, is that of the one-token decode step at the same position: whether it is verified alone, in a chain, or
+deep in a tree whose siblings sit between its ancestors, the result is the same bit for bit (DESIGN.md section 3:
+then no divergence can happen at all). Earlier designs were not: tiles of several tokens sharing masked K/V
+blocks put a tree node's ancestors at other offsets inside a block, and separate loops for whole prefix blocks
+and masked blocks were compiled to differently-rounding code; both made verification differ from decoding in
+the last bit on the H200 (a flipped near-tie on qwen3-8b). Keys past start + T are never loaded.
+Split s covers logical keys [s * SPLIT, (s + 1) * SPLIT); the number of splits is cdiv(CAP, SPLIT): it does not
+depend on `start`, and a split past the token's keys runs no iteration and writes a neutral partial (max -inf,
+sum 0, acc 0), which merges as an exact no-op. With one split the kernel normalises and writes `out` directly;
+otherwise `_tree_attn_merge` combines the partials of BLOCK_R output rows split by split (log-sum-exp merge;
+neutral partials weigh 0 and a running max of -inf is never subtracted from itself, so no NaN). FP contraction is
+off: every operation rounds as written. The block body is written inline rather than as a @triton.jit helper:
+under TRITON_INTERPRET=1 every device-function call re-patches triton.language, which made the CPU tests several
+times slower.
 """
 from __future__ import annotations
 
@@ -104,30 +108,34 @@ if triton is not None:
                        stride_vb, stride_vh, stride_vn,
                        stride_nm0, stride_nm1,
                        stride_ob, stride_oh, stride_ot,
-                       G: tl.constexpr, TILE_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T_P2: tl.constexpr,
                        SPLIT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                        FP32_DOT: tl.constexpr, ROUND_P: tl.constexpr, WRITE_OUT: tl.constexpr):
-        """Program (b * KVH + kv head, query tile, key split): online softmax over the split's visible keys."""
+        """Program (b * KVH + kv head, token, key split): online softmax over the token's keys in logical order."""
         pid_bk = tl.program_id(0)
-        pid_t = tl.program_id(1)
+        t = tl.program_id(1)
         pid_s = tl.program_id(2)
         b = (pid_bk // KVH).to(tl.int64)
         kvh = (pid_bk % KVH).to(tl.int64)
 
         start = tl.load(start_ptr).to(tl.int32)  # on the device: CUDA-graph replays may change it
-        end = tl.minimum(start + T, CAP)
+        # The token's visible new rows in index order (a tree lists ancestors before descendants): logical key
+        # start + j is the new row of rank j; the token's keys are logical 0 .. start + (visible rows) - 1.
+        nodes = tl.arange(0, T_P2)
+        seen = tl.load(nm_ptr + t * stride_nm0 + nodes * stride_nm1, mask=nodes < T, other=0) != 0
+        rank = tl.cumsum(seen.to(tl.int32), 0) - 1
+        length = start + tl.sum(seen.to(tl.int32), 0)
 
-        # rows of this program: r -> (query row t, head g of the kv head's group); padding rows are masked
+        # rows of this program: the G query heads of the kv head (padded to BLOCK_M >= 16 for tl.dot)
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D_P2)
         offs_n = tl.arange(0, BLOCK_N)
-        t_rows = pid_t * TILE_T + offs_m // G
-        heads = kvh * G + offs_m % G
-        row_ok = (offs_m < TILE_T * G) & (t_rows < T)
+        heads = kvh * G + offs_m
+        row_ok = offs_m < G
         d_ok = offs_d < D  # D_P2 > D pads the head dim (and D < 16, for tl.dot)
         q_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + t_rows[:, None] * stride_qt
-                    + offs_d[None, :], mask=q_mask, other=0.0)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + t * stride_qt + offs_d[None, :],
+                    mask=q_mask, other=0.0)
         if FP32_DOT:
             q = q.to(tl.float32)
 
@@ -139,54 +147,30 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, D_P2], dtype=tl.float32)  # unnormalised output
 
         lo = pid_s * SPLIT
-        hi = tl.minimum(lo + SPLIT, end)  # hi <= lo: a split past the visible keys, no iteration, neutral
-        # 1) whole blocks inside the committed prefix: every key visible, no key masking, no node_mask reads
-        mid = lo + tl.maximum(tl.minimum(hi, start) - lo, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(lo, mid, BLOCK_N):
+        hi = tl.minimum(lo + SPLIT, length)  # hi <= lo: a split past the token's keys, no iteration, neutral
+        for n0 in range(lo, hi, BLOCK_N):
             offs = n0 + offs_n
-            kt = tl.load(k_base + offs_d[:, None] + offs[None, :] * stride_kn, mask=d_ok[:, None], other=0.0)
-            v = tl.load(v_base + offs[:, None] * stride_vn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+            slot = offs  # the committed prefix: logical key = cache row
+            if n0 + BLOCK_N > start:  # the block reaches the new rows: gather the token's visible ones in order
+                hit = seen[None, :] & (rank[None, :] == (offs - start)[:, None])
+                slot = tl.where(offs < start, offs, start + tl.max(tl.where(hit, nodes[None, :], 0), 1))
+            kv_ok = (offs < hi) & (slot < CAP)
+            kt = tl.load(k_base + offs_d[:, None] + slot[None, :] * stride_kn,
+                         mask=kv_ok[None, :] & d_ok[:, None], other=0.0)  # K^T block [D_P2, BLOCK_N]
+            v = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :],
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_P2]
             if FP32_DOT:  # float32 inputs (exact, not TF32), or bfloat16 under the interpreter
                 qk = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
             else:
                 qk = tl.dot(q, kt)
-            qk = qk * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every key of the block is visible
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if FP32_DOT:
-                if ROUND_P:  # round P to 16 bits as the tensor-core path does
-                    p = p.to(v.dtype).to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        # 2) the rest (at most a few blocks): the block crossing `start`, the new rows, the end of the range
-        for n0 in range(mid, hi, BLOCK_N):
-            offs = n0 + offs_n
-            kv_ok = offs < hi
-            kt = tl.load(k_base + offs_d[:, None] + offs[None, :] * stride_kn,
-                         mask=kv_ok[None, :] & d_ok[:, None], other=0.0)  # K^T block [D_P2, BLOCK_N]
-            v = tl.load(v_base + offs[:, None] * stride_vn + offs_d[None, :],
-                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_P2]
-            if FP32_DOT:
-                qk = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-            else:
-                qk = tl.dot(q, kt)
-            # key n is visible to row t iff n < start, or start <= n < start + T and node_mask[t, n - start]
-            is_new = kv_ok & (offs >= start)
-            bits = tl.load(nm_ptr + t_rows[:, None] * stride_nm0 + (offs - start)[None, :] * stride_nm1,
-                           mask=row_ok[:, None] & is_new[None, :], other=0)
-            visible = (kv_ok & (offs < start))[None, :] | (bits != 0)
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            qk = tl.where(kv_ok[None, :], qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: stay neutral, no NaN
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(qk - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if FP32_DOT:
-                if ROUND_P:
+                if ROUND_P:  # round P to 16 bits as the tensor-core path does
                     p = p.to(v.dtype).to(tl.float32)
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -196,10 +180,10 @@ if triton is not None:
         if WRITE_OUT:  # a single split: normalise and write the output rows
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             o = acc / l_safe[:, None]
-            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + t_rows[:, None] * stride_ot
-                     + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + t * stride_ot + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=q_mask)
         else:  # partials laid out [split, B, H, T] (+ [D] for acc), contiguous
-            row = ((pid_s * B + b) * H + heads) * T + t_rows
+            row = ((pid_s * B + b) * H + heads) * T + t
             tl.store(pm_ptr + row, m_i, mask=row_ok)
             tl.store(pl_ptr + row, l_i, mask=row_ok)
             tl.store(pacc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=q_mask)
@@ -286,12 +270,10 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     start_t = _start_tensor(start, q.device)
     nm = node_mask.to(device=q.device, dtype=torch.bool).view(torch.uint8)
 
-    # Query tiles of a fixed shape that does not depend on T: BLOCK_M = max(16, G) rows, TILE_T = BLOCK_M // G
-    # tokens. A row's arithmetic then does not depend on how many rows are verified together, so the verify
-    # pass reproduces the one-token decode step bit for bit (the exactness rule's margins stay meaningful).
+    # One token per program, its G query heads in BLOCK_M = max(16, G) rows (tl.dot needs >= 16): every row's
+    # keys are walked in logical order in the same BLOCK_N blocks whether the token is verified alone or with
+    # a tree of others, so the verify pass reproduces the one-token decode step bit for bit.
     block_m = max(16, _next_pow2(G))
-    tile_t = block_m // G
-    n_tiles = triton.cdiv(T, tile_t)
     d_p2 = max(16, _next_pow2(D))
     split = triton.cdiv(max(split_size, block_n), block_n) * block_n
     num_splits = triton.cdiv(CAP, split)
@@ -311,7 +293,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         pacc = torch.empty(num_splits, B, H, T, D, dtype=torch.float32, device=q.device)
         pm = torch.empty(num_splits, B, H, T, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
-    _tree_attn_fwd[(B * KVH, n_tiles, num_splits)](
+    _tree_attn_fwd[(B * KVH, T, num_splits)](
         q, k_cache, v_cache, start_t, nm, out, pacc, pm, pl,
         B, T, CAP, H, KVH, qk_scale,
         q.stride(0), q.stride(1), q.stride(2),
@@ -319,10 +301,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         nm.stride(0), nm.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        G=G, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, D=D, D_P2=d_p2,
+        G=G, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, _next_pow2(T)), SPLIT=split, D=D, D_P2=d_p2,
         FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, num_warps=num_warps, num_stages=num_stages,
-        # No FMA contraction: the unmasked and the masked key loops must round alike, or a row's result would
-        # depend on which loop saw its keys, that is, on `start` (verify and decode step would differ).
         enable_fp_fusion=False)
     if not write_out:
         rows = B * H * T
