@@ -84,7 +84,16 @@ class Harness:
                       telemetry=gpu_telemetry() if self.on_gpu else None)
         self._measured[key] = record
         self.records.append(record)
+        self.write_results()  # after every record: a run cut short (timeout, crash) still leaves its results
         return record
+
+    def generation(self, pair: str, workload: str, length: str, method: str):
+        """A zero-argument call that runs one generation of an already measured combination (for pytest-benchmark,
+        which times it on its own clock)."""
+        target = self._target(self.pairs[pair][0])
+        ids, new_tokens = prompt_ids(target, workload), self.lengths[length]
+        decoder = self._decoders[(pair, method)]
+        return lambda: decoder.generate(ids, new_tokens)
 
     def write_results(self) -> None:
         if not self.records:
