@@ -23,6 +23,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights (synthetic targets, random drafts)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel width: run under `torchrun --nproc_per_node=N -m engine ... --tp N` "
+                        "(NCCL, a GPU per rank; gloo on CPUs); rank 0 prints and writes results")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,8 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _device_dtype(args) -> tuple[torch.device, torch.dtype]:
-    if args.device == "auto":
+def _device_dtype(args, tp_device=None) -> tuple[torch.device, torch.dtype]:
+    if tp_device is not None:  # under tensor parallelism each rank's device comes from its local rank
+        device = tp_device
+    elif args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         try:
@@ -91,7 +96,18 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def cmd_generate(args) -> int:
+def _load(args, tp_device, tp):
+    """The target (sharded under tensor parallelism) on this rank's device."""
+    from .parallel import shard_target
+
+    device, dtype = _device_dtype(args, tp_device)
+    target = load_target(args.target, device, dtype)
+    if tp is not None:
+        shard_target(target.model, tp)
+    return target, device, dtype
+
+
+def cmd_generate(args, tp=None, tp_device=None) -> int:
     from .results import write_json
     from .workloads import PROMPTS
 
@@ -100,15 +116,16 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise EngineError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
     _check_sizes(args)
-    device, dtype = _device_dtype(args)
     ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
-    target = load_target(args.target, device, dtype)
+    target, device, dtype = _load(args, tp_device, tp)
     if ids is None:
         ids = target.encode(args.prompt if args.prompt is not None else PROMPTS["fib"], chat=not args.no_chat_template)
     drafter = load_drafter(args.draft, target, args.block_size, args.seed) if args.method != "ar" else None
     decoder = Decoder(target.model, drafter, DecodeSettings(args.method, args.budget, args.topk_cap))
     stop = () if args.ignore_eos else target.stop_ids
     result = decoder.generate(ids, args.max_new_tokens, stop)
+    if tp is not None and tp.rank != 0:
+        return 0  # every rank decoded the same tokens; rank 0 reports them
     text = target.decode(result.tokens)
     if text is not None:
         print(text)
@@ -157,7 +174,7 @@ def _parse_acceptance(text: str) -> float | None:
     return miss
 
 
-def cmd_bench(args) -> int:
+def cmd_bench(args, tp=None, tp_device=None) -> int:
     from .bench import (Method, device_bandwidth, format_table, hf_generate_tok_s, parse_workloads, run_matrix,
                         summarize, weight_bytes)
     from .results import environment, write_json
@@ -166,33 +183,40 @@ def cmd_bench(args) -> int:
     _check_sizes(args)
     if args.repeats < 1 or (args.warmup is not None and args.warmup < 0):
         raise EngineError("--repeats must be >= 1 and --warmup >= 0")
-    device, dtype = _device_dtype(args)
+    device, dtype = _device_dtype(args, tp_device)
     warmup = args.warmup if args.warmup is not None else int(device.type == "cuda")
+    main_rank = tp is None or tp.rank == 0
     methods = [Method.parse(m, args.topk_cap) for m in args.methods.split(",") if m]
     if not any(m.name == "ar" for m in methods):
         methods.insert(0, Method.parse("ar", args.topk_cap))  # the reference for losslessness and speed-up
     workloads = parse_workloads(args.workloads)
     lengths = _parse_lengths(args.lengths, device)
     miss_rate = _parse_acceptance(args.acceptance)
-    print(f"loading {args.target} ...", file=sys.stderr)
-    target = load_target(args.target, device, dtype)
+    if main_rank:
+        print(f"loading {args.target} ..." + (f" (tensor-parallel width {tp.world})" if tp else ""), file=sys.stderr)
+    target, device, dtype = _load(args, tp_device, tp)
     needs_draft = any(m.settings.method != "ar" for m in methods)
     drafter = load_drafter(args.draft, target, args.block_size, args.seed) if needs_draft else None
     records = run_matrix(target, drafter, methods, workloads, lengths, args.repeats, warmup, args.stop_at_eos,
-                         synthetic_miss_rate=miss_rate)
+                         progress=main_rank, synthetic_miss_rate=miss_rate)
+    if not main_rank:
+        return 0 if all(r["lossless"] is not False for r in records) else 1
     bandwidth = device_bandwidth(device)
     roofline = bandwidth / weight_bytes(target.model) if bandwidth else None
     rows = summarize(records, methods, roofline)
     draft_name = args.draft if args.draft != "default" else f"default ({target.default_draft})"
     acceptance = "real" if miss_rate is None else f"SYNTHETIC (oracle, miss rate {miss_rate})"
-    print(f"\ntarget {target.name}, draft {draft_name}, {device} {str(dtype).removeprefix('torch.')}, "
+    width = f", tensor-parallel width {tp.world} (roofline per rank)" if tp else ""
+    print(f"\ntarget {target.name}, draft {draft_name}, {device} {str(dtype).removeprefix('torch.')}{width}, "
           f"lengths {lengths}, workloads {','.join(workloads)}, acceptance {acceptance}")
     if roofline:
         print(f"roofline: {bandwidth / 1e12:.2f} TB/s measured copy bandwidth / {weight_bytes(target.model) / 1e9:.2f}"
               f" GB of weights = {roofline:.0f} AR tok/s")
     print(format_table(rows))
     hf = None
-    if args.hf_baseline:
+    if args.hf_baseline and tp is not None:
+        print("transformers generate: not measured under tensor parallelism (run it at --tp 1)")
+    elif args.hf_baseline:
         (name, new_tokens), workload = next(iter(lengths.items())), workloads[0]
         hf = dict(workload=workload, length=name, tok_s=hf_generate_tok_s(target, prompt_ids(target, workload),
                                                                           new_tokens))
@@ -200,7 +224,8 @@ def cmd_bench(args) -> int:
         print(f"transformers generate ({workload}/{name}): {hf['tok_s']:.1f} tok/s; engine AR is "
               f"{ar / hf['tok_s']:.1f}x that")
     write_json(args.json, dict(environment=environment(device), target=target.name, draft=draft_name,
-                               dtype=str(dtype), lengths=lengths, acceptance=acceptance, bandwidth_bytes_s=bandwidth,
+                               dtype=str(dtype), tp=tp.world if tp else 1, lengths=lengths, acceptance=acceptance,
+                               bandwidth_bytes_s=bandwidth,
                                weight_bytes=weight_bytes(target.model), roofline_tok_s=roofline, hf_generate=hf,
                                summary=rows, runs=records))
     print(f"results: {args.json}")
@@ -212,9 +237,20 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .parallel import init_tensor_parallel
+
     args = build_parser().parse_args(argv)
+    tp = None
     try:
-        return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+        tp, tp_device = init_tensor_parallel(args.tp)
+        command = cmd_generate if args.command == "generate" else cmd_bench
+        return command(args, tp, tp_device)
     except EngineError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if tp is None or tp.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if tp is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()

@@ -127,7 +127,7 @@ class DFlashDrafter(Drafter):
         block_start = cache.start + inp.count
         block_pos = block_start + self.block_offsets[:B]
         bonus = inp.tokens[0].index_select(0, inp.length.view(1))
-        x = self.target.embed_tokens(torch.cat((bonus, self.mask_ids))[None])
+        x = self.target.embed(torch.cat((bonus, self.mask_ids))[None])
         cos_c, sin_c = self.rotary(ctx_pos[None], x.dtype)
         cos_b, sin_b = self.rotary(block_pos[None], x.dtype)
         for layer, layer_cache, window in zip(self.draft.layers, cache.layers, self.windows):

@@ -68,6 +68,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.eps = cfg.rms_norm_eps
+        self.tp = None  # engine.parallel.TensorParallel once sharded: o_proj is row-parallel
 
     def fuse(self) -> None:
         """One GEMM for q, k and v: the three weights become views of one concatenated matrix."""
@@ -86,7 +87,8 @@ class Attention(nn.Module):
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output [B, H, T, D] -> [B, T, hidden]."""
-        return self.o_proj(o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))
+        out = self.o_proj(o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward(self, x, cos, sin, layer_cache: AttentionLayerCache, slots, start, node_mask) -> torch.Tensor:
         q = self.project(x, cos, sin, layer_cache, slots)
@@ -99,6 +101,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tp = None  # once sharded: down_proj is row-parallel
 
     def fuse(self) -> None:
         """One GEMM for gate and up: both weights become views of one concatenated matrix."""
@@ -106,7 +109,8 @@ class MLP(nn.Module):
         self.gate_up_bias = _fused((self.gate_proj, self.up_proj), "bias")
 
     def forward(self, x):
-        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+        out = self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def _fused(linears, name: str) -> torch.Tensor | None:
@@ -161,6 +165,9 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary: Rotary | None = None  # built by `ready`, once the model sits on its device
+        # tensor parallelism (engine.parallel.shard_target): this rank's vocabulary slice and KV heads
+        self.tp = None
+        self.vocab_start, self.vocab_per_rank, self.num_kv_heads = 0, cfg.vocab_size, cfg.num_kv_heads
 
     def ready(self) -> "Transformer":
         """Called once the weights are in place: fuse projections, build the RoPE tables."""
@@ -178,7 +185,16 @@ class Transformer(nn.Module):
 
     def new_cache(self, capacity: int, batch: int = 1) -> ModelCache:
         c = self.cfg
-        return ModelCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device, batch)
+        return ModelCache(c.num_layers, self.num_kv_heads, c.head_dim, capacity, self.dtype, self.device, batch)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; vocabulary-parallel under tensor parallelism (the owning rank's row, all-reduced)."""
+        if self.tp is None:
+            return self.embed_tokens(tokens)
+        local = tokens - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_per_rank)
+        x = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.embed_tokens.weight)
+        return self.tp.all_reduce(x * inside[..., None].to(x.dtype))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: ModelCache, node_mask: torch.Tensor,
                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -191,7 +207,7 @@ class Transformer(nn.Module):
         """
         start = cache.start
         slots = start + torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.embed_tokens(tokens)
+        x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         captured = {}
         delta, x = x, None
@@ -205,11 +221,13 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits in float32. From bf16 weights they are accumulated and kept in float32: rounding them
         to bf16 (an ulp of 0.06 to 0.125 at typical magnitudes) would turn real margins into ties."""
-        if hidden.dtype == torch.float32:
-            return self.lm_head(hidden)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if hidden.is_cuda and _has_mm_out_dtype():
+        if hidden.dtype == torch.float32:
+            out = F.linear(flat, self.lm_head.weight)
+        elif hidden.is_cuda and _has_mm_out_dtype():
             out = torch.mm(flat, self.lm_head.weight.t(), out_dtype=torch.float32)
         else:  # no mixed-precision GEMM here: upcast (slower, same result)
             out = F.linear(flat.float(), self.lm_head.weight.float())
+        if self.tp is not None:  # every rank gets the full logits: the same decisions everywhere
+            out = self.tp.all_gather_last(out)[:, :self.cfg.vocab_size]
         return out.view(*hidden.shape[:-1], -1)

@@ -43,6 +43,7 @@ class Harness:
         self.pairs = pair_specs(config, self.on_gpu)
         self.records: list[dict] = []
         self._targets, self._drafters, self._decoders, self._references, self._measured = {}, {}, {}, {}, {}
+        self._tp_runs: dict[tuple[str, int], dict] = {}
 
     def _target(self, spec: str):
         if spec not in self._targets:
@@ -86,6 +87,42 @@ class Harness:
         self.records.append(record)
         self.write_results()  # after every record: a run cut short (timeout, crash) still leaves its results
         return record
+
+    def measure_tp(self, pair: str, tp: int, workload: str, length: str, method: str, methods, workloads) -> dict:
+        """A record at tensor-parallel width tp > 1: one `torchrun -m engine bench --tp` per (pair, width) measures
+        every workload and method (the same harness inside); its records are reused by the tests that follow."""
+        if (pair, tp) not in self._tp_runs:
+            self._tp_runs[(pair, tp)] = self._run_tp_bench(pair, tp, methods, workloads)
+        record = self._tp_runs[(pair, tp)][(workload, length, method)]
+        if record not in self.records:
+            self.records.append(record)
+            self.write_results()
+        return record
+
+    def _run_tp_bench(self, pair: str, tp: int, methods, workloads) -> dict:
+        import json
+        import tempfile
+
+        from correctness.launch import run_torchrun
+
+        target, draft, miss_rate = self.pairs[pair]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "bench.json")
+            args = ["-m", "engine", "bench", "--tp", str(tp), "--target", target, "--draft", draft,
+                    "--methods", ",".join(methods), "--workloads", ",".join(workloads),
+                    "--lengths", ",".join(f"{k}={v}" for k, v in self.lengths.items()),
+                    "--repeats", str(self.repeats), "--warmup", str(self.warmup), "--json", out]
+            if miss_rate is not None:
+                args += ["--acceptance", f"synthetic:{miss_rate}"]
+            run_torchrun(tp, args, timeout=1800)
+            with open(out) as f:
+                result = json.load(f)
+        telemetry = [gpu_telemetry(i) for i in range(tp)]  # NVML, right after the run (no CUDA context here)
+        records = {}
+        for r in result["runs"]:
+            r.update(device=self.device_name, tp=tp, pair=pair, telemetry=telemetry)
+            records[(r["workload"], r["length"], r["method"])] = r
+        return records
 
     def generation(self, pair: str, workload: str, length: str, method: str):
         """A zero-argument call that runs one generation of an already measured combination (for pytest-benchmark,

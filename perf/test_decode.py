@@ -26,9 +26,25 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("pair", list(pair_specs(metafunc.config, bool(visible_gpus()))))
 
 
-def _skip_other_widths(tp: int) -> None:
-    if tp != 1:
-        pytest.skip(f"tp{tp}: the engine has no tensor-parallel mode yet, so width {tp} cannot run")
+def _skip_unrunnable_width(harness, tp: int) -> None:
+    """Widths above 1 run as torchrun subprocesses, one GPU per rank: skip where the GPUs are missing."""
+    if tp == 1:
+        return
+    if not harness.on_gpu:
+        pytest.skip(f"tp{tp}: tensor-parallel perf runs need {tp} GPUs (NCCL); the CPU (gloo) path is checked by "
+                    f"correctness/test_tensor_parallel.py")
+    from perf.conftest import visible_gpus
+
+    if len(visible_gpus()) < tp:
+        pytest.skip(f"tp{tp} needs {tp} GPUs; this process sees {len(visible_gpus())} (under xdist each worker "
+                    f"gets one: run tp>1 without -n)")
+
+
+def _measure(harness, pair, tp, workload, length, method) -> dict:
+    """The harness's record; tp > 1: one `torchrun -m engine bench --tp` per pair and width, then reused."""
+    if tp == 1:
+        return harness.measure(pair, workload, length, method)
+    return harness.measure_tp(pair, tp, workload, length, method, METHODS, WORKLOADS)
 
 
 def _floor(floors, pytestconfig, key, field):
@@ -46,9 +62,9 @@ def _floor(floors, pytestconfig, key, field):
 @pytest.mark.parametrize("workload", WORKLOADS)
 @pytest.mark.parametrize("tp", WIDTHS)
 def test_acceptance_floor(harness, floors, pytestconfig, pair, tp, workload, method):
-    _skip_other_widths(tp)
+    _skip_unrunnable_width(harness, tp)
     for length in harness.lengths:
-        r = harness.measure(pair, workload, length, method)
+        r = _measure(harness, pair, tp, workload, length, method)
         assert r["lossless"], f"{pair}/{workload}/{method} diverged from AR: {r['exactness']}"
         key = floor_key(harness.device_name, tp, pair, workload, length, method)
         floor = _floor(floors, pytestconfig, key, "tau")
@@ -60,12 +76,12 @@ def test_acceptance_floor(harness, floors, pytestconfig, pair, tp, workload, met
 @pytest.mark.parametrize("workload", WORKLOADS)
 @pytest.mark.parametrize("tp", WIDTHS)
 def test_throughput_floor(harness, floors, pytestconfig, benchmark, pair, tp, workload, method):
-    _skip_other_widths(tp)
+    _skip_unrunnable_width(harness, tp)
     if not harness.on_gpu:
         pytest.skip("tok/s floors are asserted on GPUs only (CPU timings are recorded, not gated)")
     for i, length in enumerate(harness.lengths):
-        r = harness.measure(pair, workload, length, method)
-        if i == 0:  # pytest-benchmark: seconds per generation on its clock, the harness's numbers as extra_info
+        r = _measure(harness, pair, tp, workload, length, method)
+        if i == 0 and tp == 1:  # pytest-benchmark: seconds per generation on its clock, the harness's numbers as extra_info
             benchmark.extra_info.update({k: r[k] for k in BENCHMARK_INFO}, length=length)
             benchmark.pedantic(harness.generation(pair, workload, length, method), rounds=harness.repeats)
         key = floor_key(harness.device_name, tp, pair, workload, length, method)

@@ -1,0 +1,76 @@
+"""Run under torchrun by correctness/test_tensor_parallel.py: one target at the group's width against itself at
+width 1, on every rank; rank 0 writes what it measured as JSON.
+
+    torchrun --standalone --nproc_per_node=2 -m correctness.tp_worker OUT.json TARGET [TARGET ...]
+
+Per target: the prefill logits of a prompt at width 1 and sharded (max abs difference), greedy AR at width 1 and
+sharded (tokens), and DFlash / DDTree at the sharded width with a random draft and with the oracle drafter
+(multi-token acceptance, side branches) compared with sharded AR under the exactness rule.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import engine
+from engine.exactness import compare_tokens, tolerance_for
+from engine.parallel import init_tensor_parallel, shard_target
+from engine.results import write_json
+
+NEW_TOKENS = 40
+CASES = (("dflash", 0, "random:1"), ("dflash", 0, "oracle"), ("ddtree", 4, "random:1"), ("ddtree", 15, "oracle"),
+         ("ddtree", 6, "oracle"))
+
+
+def prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    cache = model.new_cache(64)
+    n = len(ids)
+    hidden, _ = model(torch.tensor([ids]), torch.arange(n)[None], cache, torch.ones(n, n, dtype=torch.bool).tril())
+    return model.logits(hidden[0])
+
+
+def check_target(spec: str, tp) -> dict:
+    target = engine.load_target(spec, "cpu", torch.float32)
+    vocab = target.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, vocab, (13,), generator=gen).tolist() + [1, 2] + [5, 7]  # special ids inside too
+    full_logits = prefill_logits(target.model, ids)
+    full_ar = engine.Decoder(target.model).generate(ids, NEW_TOKENS, record_margins=True)
+    shard_target(target.model, tp)
+    logits = prefill_logits(target.model, ids)
+    ar = engine.Decoder(target.model).generate(ids, NEW_TOKENS, record_margins=True)
+    tol = tolerance_for(torch.float32)
+    out = dict(logits_max_abs_diff=(logits - full_logits).abs().max().item(),
+               logits_scale=full_logits.abs().max().item(),
+               ar_vs_width1=compare_tokens(full_ar.tokens, full_ar.margins, ar.tokens, tol).describe(),
+               ar_vs_width1_ok=compare_tokens(full_ar.tokens, full_ar.margins, ar.tokens, tol).ok, methods={})
+    for method, budget, draft in CASES:
+        if draft == "oracle":
+            drafter = engine.OracleDrafter(ids + ar.tokens, vocab, 8, miss_rate=0.3, seed=3)
+        else:
+            drafter = engine.load_drafter(draft, target, block_size=8)
+        result = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, budget)).generate(ids, NEW_TOKENS)
+        verdict = compare_tokens(ar.tokens, ar.margins, result.tokens, tol)
+        out["methods"][f"{method}-{budget}-{draft}"] = dict(ok=verdict.ok, verdict=verdict.describe(),
+                                                              tau=result.tau)
+    return out
+
+
+def main() -> int:
+    path, specs = sys.argv[1], sys.argv[2:]
+    torch.set_num_threads(1)
+    tp, _ = init_tensor_parallel(int(os.environ["WORLD_SIZE"]))
+    try:
+        results = {spec: check_target(spec, tp) for spec in specs}
+        if tp.rank == 0:
+            write_json(path, dict(world=tp.world, targets=results))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Tensor parallelism on torch.distributed: one process per GPU (NCCL) or per CPU worker (gloo), under torchrun.
+
+Megatron-style sharding of a loaded target, in place (`shard_target`):
+- attention: q/k/v column-parallel by whole GQA groups (as evenly as the KV heads allow), o_proj row-parallel
+  followed by an all-reduce; the KV cache holds the rank's KV heads only. When the width exceeds the KV heads,
+  each KV head is replicated on width / KVH ranks, which split its query heads;
+- MLP: gate/up column-parallel (as evenly as the width allows), down row-parallel followed by an all-reduce;
+- embedding and LM head vocabulary-parallel (padded to a multiple of the width): an embedding row is looked up
+  on the rank that holds it and all-reduced; each rank's logits slice is all-gathered, so every rank holds the
+  full logits and makes the same argmax, tree and acceptance decisions (the drafts are replicated).
+Row-parallel biases stay on rank 0 only, so the all-reduce adds them once.
+
+The all-reduce at width 2 is one addition per element, the same whatever the message size, so a verify pass still
+reproduces the one-token step bit for bit; wider groups gather the partial sums and add them in rank order in
+float32, for the same reason (NCCL's reduction order depends on the message size and the algorithm it picks).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import EngineError
+
+
+@dataclass
+class TensorParallel:
+    rank: int
+    world: int
+    group: object = None  # the default process group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world == 2:
+            dist.all_reduce(x, group=self.group)
+            return x
+        parts = self._gather(x)
+        total = parts[0].float()
+        for part in parts[1:]:
+            total += part.float()
+        return total.to(x.dtype)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[world, *x.shape]: every rank's x (flat buffers: the form both NCCL and gloo accept)."""
+        out = torch.empty(self.world * x.numel(), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous().view(-1), group=self.group)
+        return out.view(self.world, *x.shape)
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., world * n], rank-major."""
+        return self._gather(x).movedim(0, -2).reshape(*x.shape[:-1], self.world * x.shape[-1])
+
+
+def init_tensor_parallel(tp: int) -> tuple[TensorParallel | None, torch.device | None]:
+    """Join the torchrun group for width `tp` (1: nothing to do). Returns the group and this rank's device (a GPU
+    per local rank where CUDA is present, else the CPU with gloo)."""
+    if tp < 1:
+        raise EngineError(f"--tp must be >= 1, got {tp}")
+    if tp == 1:
+        return None, None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp:
+        raise EngineError(f"--tp {tp} needs {tp} processes: run under `torchrun --nproc_per_node={tp} -m engine ...` "
+                          f"(this is one of {world})")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        if torch.cuda.device_count() <= local:
+            raise EngineError(f"--tp {tp}: local rank {local} has no GPU ({torch.cuda.device_count()} visible)")
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    return TensorParallel(dist.get_rank(), dist.get_world_size()), device
+
+
+def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    return None if t is None else t[lo:hi].clone()
+
+
+def _split(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank's contiguous share [lo, hi) of n items, as even as possible (the first n % world ranks get one more)."""
+    base, extra = divmod(n, world)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def head_ranges(cfg, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The rank's query heads and KV heads, [lo, hi) each. Whole GQA groups go to a rank (unevenly where the KV
+    heads do not divide by the width, e.g. SmolLM2's 3 at width 2); with fewer KV heads than ranks, each KV head
+    is replicated on world / KVH ranks that split its group's query heads."""
+    G = cfg.num_heads // cfg.num_kv_heads
+    if cfg.num_kv_heads >= world:
+        kv_lo, kv_hi = _split(cfg.num_kv_heads, world, rank)
+        return (kv_lo * G, kv_hi * G), (kv_lo, kv_hi)
+    reps = world // cfg.num_kv_heads
+    kv, part = divmod(rank, reps)
+    return (kv * G + part * (G // reps), kv * G + (part + 1) * (G // reps)), (kv, kv + 1)
+
+
+def check_fits(cfg, world: int) -> None:
+    """One clear error for a width the model's shapes cannot be split into."""
+    if world < 1:
+        raise EngineError(f"tensor-parallel width must be >= 1, got {world}")
+    kvh, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    if kvh < world and (world % kvh or G % (world // kvh)):
+        raise EngineError(f"tensor-parallel width {world} does not fit the model: {kvh} KV heads with {G} query "
+                          f"heads each can be split over at most {kvh} ranks, or replicated over a multiple of "
+                          f"{kvh} ranks whose count divides {G}")
+    if cfg.intermediate_size < world:
+        raise EngineError(f"tensor-parallel width {world} exceeds the MLP width {cfg.intermediate_size}")
+
+
+def shard_target(model, tp: TensorParallel) -> None:
+    """Shard a loaded (full) Transformer in place for rank tp.rank of tp.world."""
+    from .model import fuse_projections
+
+    cfg, W, r = model.cfg, tp.world, tp.rank
+    check_fits(cfg, W)
+    D = cfg.head_dim
+    (q_lo, q_hi), (kv_lo, kv_hi) = head_ranges(cfg, W, r)
+    i_lo, i_hi = _split(cfg.intermediate_size, W, r)
+    for block in model.layers:
+        a, m = block.self_attn, block.mlp
+        for lin, lo, hi in ((a.q_proj, q_lo * D, q_hi * D), (a.k_proj, kv_lo * D, kv_hi * D),
+                            (a.v_proj, kv_lo * D, kv_hi * D), (m.gate_proj, i_lo, i_hi), (m.up_proj, i_lo, i_hi)):
+            lin.weight = torch.nn.Parameter(_rows(lin.weight.data, lo, hi), requires_grad=False)
+            if lin.bias is not None:
+                lin.bias = torch.nn.Parameter(_rows(lin.bias.data, lo, hi), requires_grad=False)
+        for lin, lo, hi in ((a.o_proj, q_lo * D, q_hi * D), (m.down_proj, i_lo, i_hi)):
+            lin.weight = torch.nn.Parameter(lin.weight.data[:, lo:hi].contiguous(), requires_grad=False)
+            if lin.bias is not None and r != 0:
+                lin.bias = None  # added once, by rank 0, before the all-reduce
+        a.num_heads, a.num_kv_heads = q_hi - q_lo, kv_hi - kv_lo
+        a.tp = m.tp = tp
+    fuse_projections(model.layers)
+    # vocabulary-parallel embedding and LM head, padded with zero rows to a multiple of the width
+    per_rank = -(-cfg.vocab_size // W)
+    lo, hi = r * per_rank, min((r + 1) * per_rank, cfg.vocab_size)
+    tied = model.lm_head.weight is model.embed_tokens.weight
+
+    def vocab_slice(weight):
+        part = torch.zeros(per_rank, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        part[:max(0, hi - lo)] = weight.data[lo:hi]
+        return torch.nn.Parameter(part, requires_grad=False)
+
+    model.embed_tokens.weight = vocab_slice(model.embed_tokens.weight)
+    model.lm_head.weight = model.embed_tokens.weight if tied else vocab_slice(model.lm_head.weight)
+    model.vocab_start, model.vocab_per_rank = lo, per_rank
+    model.num_kv_heads = kv_hi - kv_lo
+    model.tp = tp
