@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from dataclasses import asdict
 
 import torch
 
@@ -60,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-baseline", action="store_true",
                    help="also time transformers' greedy generate on the first workload and length")
     b.add_argument("--json", default="bench-results.json", help="result file")
+
+    from .train_draft import TrainSettings
+
+    d = TrainSettings(out="")
+    t = sub.add_parser("train-draft", help="train a DFlash draft for a target from the target's greedy answers")
+    t.add_argument("--target", default=DEFAULT_TARGET, help="an HF directory, a .gguf file or the default target")
+    t.add_argument("--out", required=True, help="run folder: data.pt, checkpoint.pt, draft/ (DFlash format)")
+    t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    for name, value in asdict(d).items():
+        if name != "out":
+            t.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     return parser
 
 
@@ -236,10 +250,42 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     return 0
 
 
+def cmd_train_draft(args) -> int:
+    from .results import write_json
+    from .train_draft import TrainSettings, heldout_acceptance, train
+
+    settings = TrainSettings(**{k: getattr(args, k) for k in asdict(TrainSettings(out="")) if k != "out"},
+                             out=args.out)
+    for name in ("layers", "prompts", "new_tokens", "gen_batch", "steps", "batch", "anchors", "save_every",
+                 "eval_tokens", "warmup"):
+        if getattr(settings, name) < (0 if name == "warmup" else 1):
+            raise EngineError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}")
+    if settings.block_size < 2 or settings.lr <= 0 or settings.gamma <= 0:
+        raise EngineError("--block-size must be >= 2, --lr and --gamma > 0")
+    args.dtype = "float32"  # training keeps float32 weights (bf16 autocast on GPUs)
+    device, _ = _device_dtype(args)
+    t0 = time.perf_counter()
+    draft_dir = train(load_target(args.target, device, torch.float32), settings, device, resume=args.resume)
+    minutes = (time.perf_counter() - t0) / 60
+    eval_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    taus = heldout_acceptance(load_target(args.target, device, eval_dtype), draft_dir, settings.eval_tokens)
+    print(f"held-out acceptance ({settings.eval_tokens} new tokens): "
+          + ", ".join(f"{k} tau {v:.2f}" for k, v in taus.items()))
+    write_json(f"{args.out}/summary.json", dict(settings=asdict(settings), heldout_tau=taus, minutes=minutes,
+                                                draft=str(draft_dir)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .parallel import init_tensor_parallel
 
     args = build_parser().parse_args(argv)
+    if args.command == "train-draft":
+        try:
+            return cmd_train_draft(args)
+        except EngineError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     tp = None
     try:
         tp, tp_device = init_tensor_parallel(args.tp)

@@ -146,7 +146,7 @@ def test_asv_run_publish_and_dashboard(tmp_path, serve):
             for m in METHODS:
                 key = f"{BENCH}.{name} ('{pair}', 'fib', '{m}')"
                 assert key in listed, f"benchmark list lacks {key}; it has {sorted(listed)[:8]}..."
-                shown = re.fullmatch(rf"([0-9.]+) {re.escape(unit)}", listed[key])
+                shown = re.fullmatch(rf"([0-9.]+(?:e[+-]?[0-9]+)?) {re.escape(unit)}", listed[key])  # 1.05e+3 too
                 assert shown, f"{key} shows {listed[key]!r}, not a value in {unit}"
                 # the page shows 3 significant digits of the recorded value
                 recorded_value = values[name][(pair, "fib", m)]

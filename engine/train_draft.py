@@ -1,0 +1,362 @@
+"""`python -m engine train-draft`: train a DFlash draft for a target from the target's own greedy outputs.
+
+1. Data: prompts from engine/corpus.py (in the target's chat template; seeded random ids for a target without
+   a tokenizer), answered greedily by the target with transformers' batched `generate` (left padding). Saved once
+   in OUT/data.pt, so a resumed run does not generate again.
+2. Training, as the DFlash paper does: the target's hidden states after `target_layer_ids` are the context
+   features (computed on the fly, frozen target); in each sequence, random anchor positions p in the answer;
+   the block [token p, mask, ..., mask] at positions p..p+B-1 sees the context features of positions < p and
+   itself (non-causal) and predicts tokens p+1..p+B-1 in one pass; cross-entropy against the target's greedy
+   tokens, weighted exp(-(j - 1) / gamma) by block position j. The target's embedding and LM head are borrowed
+   and frozen, as at inference. AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs.
+3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
+   the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors), which `--draft OUT/draft`
+   loads. At the end, the held-out acceptance: tau of DFlash and DDTree on engine.corpus.heldout_prompts().
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .draft import DFlashDraftModel, DraftConfig, default_target_layer_ids
+from .errors import EngineError
+from .loading import Target
+from .model import Rotary
+
+
+@dataclass
+class TrainSettings:
+    out: str
+    layers: int = 4
+    block_size: int = 16
+    prompts: int = 4096
+    new_tokens: int = 192
+    gen_batch: int = 128
+    steps: int = 2000
+    batch: int = 16
+    anchors: int = 16
+    lr: float = 6e-4
+    warmup: int = 100
+    gamma: float = 7.0
+    save_every: int = 200
+    seed: int = 0
+    eval_tokens: int = 128
+
+
+# ------------------------------------------------------------------------------------------------------- data
+
+def _hf_target(target: Target, device, dtype):
+    from transformers import AutoModelForCausalLM
+
+    if target.source is None:
+        raise EngineError(f"train-draft needs a target with weights on disk; {target.name} has none")
+    model = AutoModelForCausalLM.from_pretrained(target.source, dtype=dtype).to(device).eval().requires_grad_(False)
+    return model
+
+
+def _prompt_ids(target: Target, n: int, seed: int) -> list[list[int]]:
+    from .corpus import training_prompts
+
+    if target.tokenizer is None:  # a bare checkpoint: seeded random prompts of 8 to 48 ids
+        rng = random.Random(seed)
+        vocab = target.model.cfg.vocab_size
+        return [[rng.randrange(vocab) for _ in range(rng.randint(8, 48))] for _ in range(n)]
+    return [target.encode(p) for p in training_prompts(n, seed)]
+
+
+@torch.no_grad()
+def generate_data(target: Target, hf, settings: TrainSettings, device) -> list[dict]:
+    """[{ids: prompt + greedy answer, prompt_len}] with answers from batched greedy generate."""
+    from tqdm import tqdm
+
+    prompts = _prompt_ids(target, settings.prompts, settings.seed)
+    stop = set(target.stop_ids)
+    pad = 0
+    data = []
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
+    for lo in tqdm(range(0, len(order), settings.gen_batch), desc="generating answers", unit="batch",
+                   file=sys.stderr):
+        batch = [prompts[i] for i in order[lo:lo + settings.gen_batch]]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=settings.new_tokens, do_sample=False,
+                          pad_token_id=pad, eos_token_id=list(stop) or None)
+        for p, row in zip(batch, out[:, width:].tolist()):
+            answer = []
+            for t in row:
+                answer.append(t)
+                if t in stop:
+                    break
+            if len(answer) >= 2:
+                data.append(dict(ids=p + answer, prompt_len=len(p)))
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+def new_draft(target: Target, settings: TrainSettings, mask_token_id: int) -> DFlashDraftModel:
+    import dataclasses
+
+    tcfg = target.model.cfg
+    cfg = dataclasses.replace(tcfg, model_type="qwen3", num_layers=settings.layers, qk_norm=True, qkv_bias=False,
+                              o_bias=False, mlp_bias=False)
+    dcfg = DraftConfig(cfg, block_size=settings.block_size, mask_token_id=mask_token_id,
+                       target_layer_ids=tuple(default_target_layer_ids(tcfg.num_layers, settings.layers)),
+                       sliding_window=(None,) * settings.layers)
+    torch.manual_seed(settings.seed)
+    draft = DFlashDraftModel(dcfg)
+    for name, p in draft.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+        else:
+            torch.nn.init.ones_(p)  # norms
+    return draft
+
+
+def pick_mask_token(target: Target) -> int:
+    """A special token that ordinary text never contains (the draft learns its embedding's meaning), else the last
+    id of the vocabulary."""
+    tok = target.tokenizer
+    if tok is not None:
+        common = set(target.stop_ids) | {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}
+        for token_id in sorted(getattr(tok, "all_special_ids", []), reverse=True):
+            if token_id not in common and 0 <= token_id < target.model.cfg.vocab_size:
+                return int(token_id)
+    return target.model.cfg.vocab_size - 1
+
+
+def _rms(x, weight, eps):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def _rotate(x, cos, sin):
+    """RoPE on the first cos.shape[-1] dims of the head (all of them unless the config rotates a part)."""
+    rd = cos.shape[-1]
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    rotated = torch.cat((-x_rot[..., rd // 2:], x_rot[..., :rd // 2]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w, feats, tokens, anchors):
+    """Differentiable draft pass for anchors [N, A]: logits [N, A, B-1, V] of block positions 1..B-1.
+
+    Block a of sequence n: [tokens[n, p], mask...] at positions p..p+B-1 (p = anchors[n, a]); it sees the context
+    features of positions < p and its own B rows, as DFlashDrafter.propose does at inference."""
+    dcfg, cfg = draft.dcfg, draft.dcfg.layers
+    N, L = tokens.shape
+    A, B = anchors.shape[1], dcfg.block_size
+    H, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    dev = tokens.device
+    ctx = _rms(draft.fc(feats), draft.hidden_norm.weight, cfg.rms_norm_eps)             # [N, L, H]
+    offs = torch.arange(B, device=dev)
+    blk_pos = (anchors[..., None] + offs).reshape(N, A * B)                                # [N, A*B]
+    blk_ids = torch.full((N, A, B), dcfg.mask_token_id, dtype=torch.long, device=dev)
+    blk_ids[..., 0] = tokens.gather(1, anchors)
+    x = F.embedding(blk_ids.view(N, A * B), embed_w)
+    ctx_pos = torch.arange(L, device=dev)
+    # visibility [N, A*B, L + A*B]: context keys before the anchor, then the block's own rows
+    see_ctx = ctx_pos[None, None, :] < anchors.repeat_interleave(B, dim=1)[..., None]
+    blk = torch.arange(A, device=dev).repeat_interleave(B)
+    see_blk = (blk[:, None] == blk[None, :]).expand(N, -1, -1)
+    mask = torch.cat((see_ctx, see_blk), dim=-1)[:, None]
+    cos_c, sin_c = rotary(ctx_pos[None].expand(N, L), x.dtype)
+    cos_b, sin_b = rotary(blk_pos, x.dtype)
+    cos_k, sin_k = torch.cat((cos_c, cos_b), 1)[:, None], torch.cat((sin_c, sin_b), 1)[:, None]
+    for layer in draft.layers:
+        a = layer.self_attn
+        h = _rms(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
+        q = _rms(a.q_proj(h).view(N, A * B, nh, d), a.q_norm.weight, cfg.rms_norm_eps).transpose(1, 2)
+        kv_in = torch.cat((ctx, h), dim=1)
+        k = _rms(a.k_proj(kv_in).view(N, -1, nkv, d), a.k_norm.weight, cfg.rms_norm_eps).transpose(1, 2)
+        v = a.v_proj(kv_in).view(N, -1, nkv, d).transpose(1, 2)
+        q = _rotate(q, cos_b[:, None], sin_b[:, None])
+        k = _rotate(k, cos_k, sin_k)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != nkv)
+        x = x + a.o_proj(o.transpose(1, 2).reshape(N, A * B, nh * d))
+        m = layer.mlp
+        h = _rms(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+        x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+    out = _rms(x, draft.norm.weight, cfg.rms_norm_eps).view(N, A, B, H)[:, :, 1:]
+    return out @ head_w.t()
+
+
+def block_loss(logits, tokens, anchors, lengths, gamma: float):
+    """Weighted cross-entropy against tokens p+1..p+B-1 (positions past a sequence's end do not count); also the
+    share of block positions whose argmax is right."""
+    N, A, Bm1, V = logits.shape
+    j = torch.arange(1, Bm1 + 1, device=tokens.device)
+    pos = anchors[..., None] + j                                                       # [N, A, B-1]
+    valid = pos < lengths[:, None, None]
+    labels = tokens.gather(1, pos.clamp(max=tokens.shape[1] - 1).view(N, -1)).view(N, A, Bm1)
+    weight = torch.exp(-(j - 1).float() / gamma) * valid
+    ce = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), reduction="none").view(N, A, Bm1)
+    loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
+    right = ((logits.argmax(-1) == labels) & valid).sum() / valid.sum().clamp(min=1)
+    return loss, right
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+def _batch(data, idx, device, anchors: int, block: int, gen: torch.Generator):
+    seqs = [data[i] for i in idx]
+    L = max(len(s["ids"]) for s in seqs)
+    tokens = torch.zeros(len(seqs), L, dtype=torch.long)
+    for n, s in enumerate(seqs):
+        tokens[n, :len(s["ids"])] = torch.tensor(s["ids"])
+    lengths = torch.tensor([len(s["ids"]) for s in seqs])
+    # anchors in the answer, with at least one label after them: p in [prompt_len, len - 2]
+    lo = torch.tensor([s["prompt_len"] for s in seqs])
+    span = (lengths - 1 - lo).clamp(min=1)
+    anchors = lo[:, None] + (torch.rand(len(seqs), anchors, generator=gen) * span[:, None]).long()
+    return tokens.to(device), lengths.to(device), anchors.to(device)
+
+
+def _lr(step: int, settings: TrainSettings) -> float:
+    if step < settings.warmup:
+        return settings.lr * (step + 1) / settings.warmup
+    progress = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
+    return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_dflash(draft: DFlashDraftModel, target: Target, out: Path, dtype=torch.bfloat16) -> None:
+    """The public DFlash format (DESIGN.md section 2), written to a temporary folder and renamed into place."""
+    from safetensors.torch import save_file
+
+    dcfg, cfg, tcfg = draft.dcfg, draft.dcfg.layers, target.model.cfg
+    config = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=cfg.hidden_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                  num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                  intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps,
+                  max_position_embeddings=cfg.max_position, vocab_size=tcfg.vocab_size, attention_bias=False,
+                  hidden_act="silu", tie_word_embeddings=False, block_size=dcfg.block_size,
+                  num_target_layers=tcfg.num_layers, torch_dtype=str(dtype).removeprefix("torch."),
+                  dflash_config=dict(mask_token_id=dcfg.mask_token_id, target_layer_ids=list(dcfg.target_layer_ids)))
+    rope = {k: v for k, v in tcfg.hf.to_dict().items() if k in ("rope_theta", "rope_scaling", "rope_parameters")}
+    config.update(rope)
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in draft.state_dict().items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        for path in (tmp, tmp / "config.json", tmp / "model.safetensors"):  # mkdtemp's 0700: readable by all
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def train(target: Target, settings: TrainSettings, device, resume: bool = False, log=print) -> Path:
+    from tqdm import tqdm
+
+    out = Path(settings.out)
+    ckpt_path, data_path = out / "checkpoint.pt", out / "data.pt"
+    if ckpt_path.exists() and not resume:
+        raise EngineError(f"{out} already holds a training run: pass --resume to continue it, or another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    amp = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf = _hf_target(target, device, amp)
+    t0 = time.perf_counter()
+    if data_path.exists():
+        data = torch.load(data_path)["data"]
+        log(f"data: {len(data)} sequences from {data_path}")
+    else:
+        data = generate_data(target, hf, settings, device)
+        if not data:
+            raise EngineError("the target produced no usable answers (every answer ended at once)")
+        _atomic_save(dict(data=data, settings=asdict(settings)), data_path)
+        log(f"data: {len(data)} sequences, {sum(len(d['ids']) - d['prompt_len'] for d in data)} answer tokens, "
+            f"{time.perf_counter() - t0:.0f} s")
+    draft = new_draft(target, settings, pick_mask_token(target)).to(device)
+    opt = torch.optim.AdamW(draft.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    step = 0
+    if resume and ckpt_path.exists():
+        ck = torch.load(ckpt_path, map_location=device)
+        draft.load_state_dict(ck["draft"])
+        opt.load_state_dict(ck["optimizer"])
+        step = ck["step"]
+        log(f"resuming at step {step}")
+    embed_w = hf.get_input_embeddings().weight
+    head_w = hf.get_output_embeddings().weight
+    rotary = Rotary(target.model.cfg.hf, draft.dcfg.layers.head_dim, device)
+    feature_ids = [i + 1 for i in draft.dcfg.target_layer_ids]
+    gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)  # a resumed run draws new batches
+    bar = tqdm(total=settings.steps, initial=step, desc="training", unit="step", file=sys.stderr)
+    draft.train()
+    while step < settings.steps:
+        idx = torch.randint(len(data), (settings.batch,), generator=gen).tolist()
+        tokens, lengths, anchors = _batch(data, idx, device, settings.anchors, settings.block_size, gen)
+        with torch.no_grad():
+            positions = torch.arange(tokens.shape[1], device=device)
+            hidden = hf(tokens, attention_mask=(positions[None] < lengths[:, None]).long(),
+                        output_hidden_states=True).hidden_states
+            feats = torch.cat([hidden[i] for i in feature_ids], dim=-1)
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, settings)
+        with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
+            logits = draft_logits_train(draft, rotary, embed_w, head_w, feats, tokens, anchors)
+            loss, right = block_loss(logits, tokens, anchors, lengths, settings.gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        step += 1
+        bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{right.item():.2f}")
+        if step % settings.save_every == 0 or step == settings.steps:
+            _atomic_save(dict(draft=draft.state_dict(), optimizer=opt.state_dict(), step=step,
+                              settings=asdict(settings)), ckpt_path)
+            save_dflash(draft, target, out / "draft")
+    bar.close()
+    log(f"trained {settings.steps} steps; {time.perf_counter() - t0:.0f} s in this run; draft: {out / 'draft'}")
+    return out / "draft"
+
+
+def heldout_acceptance(target: Target, draft_dir: Path, new_tokens: int, methods=("dflash", "ddtree-15", "ddtree-32")
+                       ) -> dict[str, float]:
+    """tau per method over the held-out prompts (every output checked against AR)."""
+    from .bench import Method
+    from .corpus import heldout_prompts
+    from .decode import Decoder
+    from .exactness import compare_tokens, tolerance_for
+    from .loading import load_drafter
+
+    drafter = load_drafter(str(draft_dir), target)
+    prompts = [target.encode(p) for p in heldout_prompts().values()] if target.tokenizer is not None else \
+        [[random.Random(i).randrange(target.model.cfg.vocab_size) for _ in range(16)] for i in range(4)]
+    refs = [Decoder(target.model).generate(p, new_tokens, record_margins=True) for p in prompts]
+    tolerance = tolerance_for(target.model.dtype)
+    taus = {}
+    for name in methods:
+        m = Method.parse(name, topk_cap=8)
+        decoder = Decoder(target.model, drafter, m.settings)
+        accepted = rounds = 0
+        for p, ref in zip(prompts, refs):
+            r = decoder.generate(p, new_tokens)
+            verdict = compare_tokens(ref.tokens, ref.margins, r.tokens, tolerance)
+            if not verdict.ok:
+                raise EngineError(f"held-out check: {name} diverged from AR: {verdict.describe()}")
+            accepted, rounds = accepted + sum(r.acceptance_lengths), rounds + r.rounds
+        taus[name] = accepted / max(1, rounds)
+    return taus
