@@ -150,10 +150,11 @@ if triton is not None:
         hi = tl.minimum(lo + SPLIT, length)  # hi <= lo: a split past the token's keys, no iteration, neutral
         for n0 in range(lo, hi, BLOCK_N):
             offs = n0 + offs_n
-            slot = offs  # the committed prefix: logical key = cache row
-            if n0 + BLOCK_N > start:  # the block reaches the new rows: gather the token's visible ones in order
-                hit = seen[None, :] & (rank[None, :] == (offs - start)[:, None])
-                slot = tl.where(offs < start, offs, start + tl.max(tl.where(hit, nodes[None, :], 0), 1))
+            # committed prefix: logical key = cache row; past it, the visible new row of rank offs - start. Computed
+            # for every block, without a branch, so that the loads' addresses stay plain arithmetic that the
+            # software pipeliner can issue ahead.
+            hit = seen[None, :] & (rank[None, :] == (offs - start)[:, None])
+            slot = tl.where(offs < start, offs, start + tl.max(tl.where(hit, nodes[None, :], 0), 1))
             kv_ok = (offs < hi) & (slot < CAP)
             kt = tl.load(k_base + offs_d[:, None] + slot[None, :] * stride_kn,
                          mask=kv_ok[None, :] & d_ok[:, None], other=0.0)  # K^T block [D_P2, BLOCK_N]
@@ -238,12 +239,14 @@ def _start_tensor(start, device) -> torch.Tensor:
 
 def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start,
                           node_mask: torch.Tensor, split_size: int = SPLIT_SIZE, block_n: int = BLOCK_N,
+                          num_warps: int | None = None, num_stages: int | None = None,
                           out: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel. `start`: a 1-element int tensor on q's device (read by the kernel) or a Python int.
 
     `out`, if given, is a [B, H, T, D] tensor of q's dtype (any strides with a contiguous last dim) that receives
     the result. `split_size` (keys per split, rounded up to a multiple of `block_n`) fixes the number of splits,
-    cdiv(CAP, split_size); the grid depends on shapes only, never on `start`.
+    cdiv(CAP, split_size); the grid depends on shapes only, never on `start`. `num_warps`, `num_stages`: launch
+    overrides, for tuning.
     """
     if triton is None:
         raise RuntimeError("tree_attention_triton needs triton")
@@ -283,8 +286,10 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # rounding P to bfloat16 first as the GPU path does.
     fp32_dot = is_fp32 or (q.device.type == "cpu" and q.dtype == torch.bfloat16)
     qk_scale = (1.0 / math.sqrt(D)) * 1.4426950408889634  # softmax in base 2
-    num_warps = 4 if block_m * d_p2 <= (32 * 128 if is_fp32 else 64 * 128) else 8  # fp32: operands in registers
-    num_stages = 2 if is_fp32 else 3
+    if num_warps is None:  # fp32: operands in registers
+        num_warps = 4 if block_m * d_p2 <= (32 * 128 if is_fp32 else 64 * 128) else 8
+    if num_stages is None:
+        num_stages = 2 if is_fp32 else 3
 
     write_out = num_splits == 1
     if write_out:
