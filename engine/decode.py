@@ -5,7 +5,7 @@ through the draft, keeps the accepted cache rows and one new bonus token. AR is 
 DFlash verifies the draft's argmax chain; DDTree verifies a best-first tree. A round is four stages (draft,
 tree, verify, commit) that only touch device tensors of fixed shapes, so on a GPU each stage is captured once
 as a CUDA graph and replayed; the host reads one small tensor per round (how many tokens were accepted, and
-which) to decide when to stop.
+which) to decide when to stop, while the next round already runs on the device.
 """
 from __future__ import annotations
 
@@ -117,6 +117,8 @@ class Decoder:
         self.cache = self.target.new_cache(capacity)
         self.tokens = torch.zeros(1, capacity + B + 1, dtype=torch.long, device=dev)
         self.round_out = torch.zeros(1 + B, dtype=torch.long, device=dev)   # [accepted, new tokens...]
+        self.host_out = torch.zeros(2, 1 + B, dtype=torch.long, pin_memory=dev.type == "cuda")  # read by the host
+        self.out_ready = [torch.cuda.Event() for _ in range(2)] if dev.type == "cuda" else None
         self.count = torch.zeros((), dtype=torch.long, device=dev)
         width = len(self.capture) * self.target.cfg.hidden_size
         self.features = torch.zeros(1, B, width, dtype=self.target.dtype, device=dev) if self.capture else None
@@ -200,7 +202,7 @@ class Decoder:
         target, dev = self.target, self.target.device
         stop = set(stop_ids)
         n_prompt = len(prompt_ids)
-        needed = n_prompt + max_new_tokens + self.nodes + self.block + 1
+        needed = n_prompt + max_new_tokens + 2 * (self.nodes + self.block) + 1  # room for a round run ahead
         drafter_cache = getattr(self.drafter, "cache", None)
         if needed > self.capacity:
             self._allocate(needed)
@@ -233,33 +235,49 @@ class Decoder:
         if self.speculative:  # the first round reads the prompt's features; later rounds the static buffer
             self.draft_input = DraftInput(self.tokens, self.cache.start, features,
                                           torch.tensor(n_prompt, device=dev))
-        rounds = 0
-        while len(out) < max_new_tokens and out[-1] not in stop:
+        # The host reads a round's result (accepted count and tokens) through a pinned double buffer while the
+        # next round already runs: once the graphs exist, one round is in flight ahead of the host, so the GPU does
+        # not wait for Python between rounds. A round launched past the end is simply not read.
+        run_ahead = not record_margins
+        launched, pending = 0, []
+        done = len(out) >= max_new_tokens or out[-1] in stop
+        while not done:
             # Round 0 reads the prompt's features, round 1 warms up the static buffers, then graphs take over.
-            if use_graphs and rounds == 2 and self.graphs is None:
+            if use_graphs and launched == 2 and self.graphs is None:
                 self._capture()
-            replay = use_graphs and rounds >= 1 and self.graphs is not None
+            replay = use_graphs and launched >= 1 and self.graphs is not None
             for name, stage in self._stages().items():
                 with timer.stage(name):
                     if replay:
                         self.graphs[name].replay()
                     else:
                         stage()
-            if self.speculative and rounds == 0:
+            if self.speculative and launched == 0:
                 self.draft_input = DraftInput(self.tokens, self.cache.start, self.features, self.count)
-            rounds += 1
-            result = self.round_out.tolist()  # the round's one host synchronisation
-            accepted, new = result[0], result[1:1 + result[0]]
-            accepted_lengths.append(accepted)
-            if record_margins:
-                margins += _margins(self.verify_logits.index_select(0, self.path[:accepted]))
-            for t in new:  # commit up to the first stop token or the length limit
-                out.append(t)
-                if t in stop or len(out) == max_new_tokens:
-                    break
+            slot = launched % 2
+            self.host_out[slot].copy_(self.round_out, non_blocking=True)
+            if self.out_ready is not None:
+                self.out_ready[slot].record()
+            pending.append(slot)
+            launched += 1
+            in_flight = 1 if run_ahead and launched > 2 else 0  # none before the graphs are captured
+            while len(pending) > in_flight and not done:
+                slot = pending.pop(0)
+                if self.out_ready is not None:
+                    self.out_ready[slot].synchronize()  # the round's one host synchronisation
+                result = self.host_out[slot].tolist()
+                accepted, new = result[0], result[1:1 + result[0]]
+                accepted_lengths.append(accepted)
+                if record_margins:
+                    margins += _margins(self.verify_logits.index_select(0, self.path[:accepted]))
+                for t in new:  # commit up to the first stop token or the length limit
+                    out.append(t)
+                    if t in stop or len(out) == max_new_tokens:
+                        break
+                done = len(out) >= max_new_tokens or out[-1] in stop
         sync(dev)
         t2 = time.perf_counter()
-        per_round = max(1, rounds)
+        per_round = max(1, launched)  # the stage timer saw every launched round
         stage_ms = {k: v / per_round for k, v in timer.totals_ms().items()}
         return GenerationResult(out, accepted_lengths, stage_ms, t1 - t0, t2 - t1,
                                 margins[:len(out)] if record_margins else None)
