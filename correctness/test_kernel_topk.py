@@ -77,7 +77,8 @@ def test_reference_breaks_ties_by_lower_id_and_checks_k():
     for _ in range(40):  # many ties, some across the k-th place: same order as a full stable sort
         x = torch.randint(0, 4, (5, 300), generator=gen).float()
         k = int(torch.randint(1, 301, (1,), generator=gen))
-        assert torch.equal(topk_logprobs_reference(x, k)[1], x.sort(dim=-1, descending=True, stable=True).indices[:, :k])
+        want = x.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(topk_logprobs_reference(x, k)[1], want)
     for bad in (0, 6, 2.5):
         with pytest.raises(ValueError, match="k must be"):
             topk_logprobs(torch.zeros(2, 5), bad)

@@ -81,7 +81,7 @@ def test_throughput_floor(harness, floors, pytestconfig, benchmark, pair, tp, wo
         pytest.skip("tok/s floors are asserted on GPUs only (CPU timings are recorded, not gated)")
     for i, length in enumerate(harness.lengths):
         r = _measure(harness, pair, tp, workload, length, method)
-        if i == 0 and tp == 1:  # pytest-benchmark: seconds per generation on its clock, the harness's numbers as extra_info
+        if i == 0 and tp == 1:  # pytest-benchmark: a generation on its clock, the harness's numbers as extra_info
             benchmark.extra_info.update({k: r[k] for k in BENCHMARK_INFO}, length=length)
             benchmark.pedantic(harness.generation(pair, workload, length, method), rounds=1)  # medians: extra_info
         key = floor_key(harness.device_name, tp, pair, workload, length, method)
