@@ -14,7 +14,7 @@ import torch
 import engine
 from engine.corpus import heldout_prompts, training_prompts
 from engine.exactness import compare_tokens
-from engine.train_draft import TrainSettings, heldout_acceptance, train
+from engine.train_draft import TrainSettings, heldout_acceptance, save_dflash, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +55,15 @@ def test_train_resume_load_and_decode(tiny_checkpoints, tmp_path):
     for method in ("dflash", "ddtree"):
         out = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, 6)).generate(ids, 20)
         assert compare_tokens(ref.tokens, ref.margins, out.tokens, 1e-4).ok
+    # the same draft in shards (HF-style index) loads to the same proposals
+    from engine.loading import load_dflash_draft
+
+    sharded = tmp_path / "sharded"
+    save_dflash(load_dflash_draft(draft_dir, target), target, sharded, dtype=torch.float32, max_shard_bytes=20_000)
+    assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 2
+    again = engine.load_drafter(str(sharded), target)
+    out = engine.Decoder(target.model, again, engine.DecodeSettings("ddtree", 6)).generate(ids, 20)
+    assert compare_tokens(ref.tokens, ref.margins, out.tokens, 1e-4).ok
     taus = heldout_acceptance(target, draft_dir, 12)
     assert set(taus) == {"dflash", "ddtree-15", "ddtree-32"} and all(t >= 1.0 for t in taus.values())
 

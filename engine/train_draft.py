@@ -237,7 +237,8 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_dflash(draft: DFlashDraftModel, target: Target, out: Path, dtype=torch.bfloat16) -> None:
+def save_dflash(draft: DFlashDraftModel, target: Target, out: Path, dtype=torch.bfloat16,
+                max_shard_bytes: int = 12 << 20) -> None:
     """The public DFlash format (DESIGN.md section 2), written to a temporary folder and renamed into place."""
     from safetensors.torch import save_file
 
@@ -257,8 +258,28 @@ def save_dflash(draft: DFlashDraftModel, target: Target, out: Path, dtype=torch.
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        for path in (tmp, tmp / "config.json", tmp / "model.safetensors"):  # mkdtemp's 0700: readable by all
+        # HF-style shards of at most max_shard_bytes (with model.safetensors.index.json) when the weights are
+        # larger: small files travel and diff more easily; loaders read both forms.
+        shards, size = [[]], 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(name)
+            size += nbytes
+        if len(shards) == 1:
+            save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, names in enumerate(shards, start=1):
+                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file({n: state[n] for n in names}, tmp / file, metadata={"format": "pt"})
+                weight_map.update({n: file for n in names})
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps(dict(metadata=dict(total_size=total), weight_map=weight_map), indent=2))
+        for path in (tmp, *tmp.iterdir()):  # mkdtemp's 0700: readable by all
             path.chmod(0o755 if path.is_dir() else 0o644)
         if out.exists():
             shutil.rmtree(out)
