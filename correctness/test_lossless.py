@@ -141,3 +141,18 @@ def test_default_pair_equals_ar(default_target, method, budget):
             result = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, budget)).generate(
                 prompt, 24, target.stop_ids)
             assert_lossless(ref, result, f"default pair {method} {budget} {type(drafter).__name__}")
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 15)])
+def test_run_ahead_reads_the_same_rounds(tiny, method, budget):
+    """The GPU's run-ahead loop (one round in flight while the host reads the previous one), forced on a CPU:
+    the same tokens and rounds as the synchronous loop, at the length limit, at a stop token and at max 1-3."""
+    target, prompts, refs = tiny
+    prompt, ref = prompts[0], refs[0]
+    drafter = None if method == "ar" else oracle(target, prompt, ref, 8, miss_rate=0.3)
+    settings = engine.DecodeSettings(method, budget)
+    for stop, n in (((), NEW_TOKENS), ((ref.tokens[17],), NEW_TOKENS), ((), 1), ((), 2), ((), 3), ((), 11)):
+        sync_run = engine.Decoder(target.model, drafter, settings, run_ahead=False).generate(prompt, n, stop)
+        ahead = engine.Decoder(target.model, drafter, settings, run_ahead=True).generate(prompt, n, stop)
+        assert ahead.tokens == sync_run.tokens and ahead.acceptance_lengths == sync_run.acceptance_lengths
+        assert len(ahead.tokens) == min(n, len(ref.tokens[:ref.tokens.index(stop[0]) + 1]) if stop else n)

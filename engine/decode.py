@@ -93,7 +93,7 @@ class Decoder:
     """Greedy decoding of one target with an optional drafter; CUDA graphs on a GPU."""
 
     def __init__(self, target: Transformer, drafter: Drafter | None = None, settings: DecodeSettings = DecodeSettings(),
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, run_ahead: bool | None = None):
         settings.validate(drafter)
         self.target, self.settings = target, settings
         self.speculative = settings.method != "ar" and not (settings.method == "ddtree" and settings.budget == 0)
@@ -107,6 +107,8 @@ class Decoder:
         self.cuda_graphs = (on_gpu and graphable) if cuda_graphs is None else (cuda_graphs and on_gpu and graphable)
         self.capacity = 0
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
+        # one round in flight ahead of the host (None: on a GPU; on a CPU it only costs a round at stop tokens)
+        self.run_ahead = on_gpu if run_ahead is None else run_ahead
 
     # ------------------------------------------------------------------------------------------------ buffers
 
@@ -235,10 +237,11 @@ class Decoder:
         if self.speculative:  # the first round reads the prompt's features; later rounds the static buffer
             self.draft_input = DraftInput(self.tokens, self.cache.start, features,
                                           torch.tensor(n_prompt, device=dev))
-        # The host reads a round's result (accepted count and tokens) through a pinned double buffer while the
-        # next round already runs: once the graphs exist, one round is in flight ahead of the host, so the GPU does
-        # not wait for Python between rounds. A round launched past the end is simply not read.
-        run_ahead = not record_margins
+        # On a GPU the host reads a round's result (accepted count and tokens) through a pinned double buffer
+        # while the next round already runs: once the graphs exist, one round is in flight ahead of the host, so
+        # the GPU does not wait for Python between rounds. Every round commits at least one token, so no round is
+        # launched that the length limit makes useless; one past a stop token is simply not read.
+        run_ahead = self.run_ahead and not record_margins
         launched, pending = 0, []
         done = len(out) >= max_new_tokens or out[-1] in stop
         while not done:
@@ -260,8 +263,10 @@ class Decoder:
                 self.out_ready[slot].record()
             pending.append(slot)
             launched += 1
-            in_flight = 1 if run_ahead and launched > 2 else 0  # none before the graphs are captured
-            while len(pending) > in_flight and not done:
+            while pending and not done:
+                ahead_ok = run_ahead and launched > 2 and len(out) + len(pending) < max_new_tokens
+                if len(pending) <= (1 if ahead_ok else 0):  # (none in flight before the graphs are captured)
+                    break
                 slot = pending.pop(0)
                 if self.out_ready is not None:
                     self.out_ready[slot].synchronize()  # the round's one host synchronisation
