@@ -10,6 +10,7 @@ It keeps its state on the device and never reads a tensor on the host, so a roun
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -74,6 +75,15 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
         return [num_target_layers // 2]
     span = num_target_layers - 4
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def draft_config(target_cfg: ModelConfig, layers: int, block_size: int, mask_token_id: int) -> DraftConfig:
+    """A DFlash draft shaped for a target: Qwen3-style layers of the target's width, default target layers."""
+    cfg = dataclasses.replace(target_cfg, model_type="qwen3", num_layers=layers, qk_norm=True, qkv_bias=False,
+                              o_bias=False, mlp_bias=False)
+    return DraftConfig(cfg, block_size=block_size, mask_token_id=mask_token_id,
+                       target_layer_ids=tuple(default_target_layer_ids(target_cfg.num_layers, layers)),
+                       sliding_window=(None,) * layers)
 
 
 class DFlashDraftModel(nn.Module):

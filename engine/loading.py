@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig, check_full_attention
-from .draft import DFlashDraftModel, DFlashDrafter, DraftConfig, Drafter, default_target_layer_ids
+from .draft import DFlashDraftModel, DFlashDrafter, DraftConfig, Drafter, default_target_layer_ids, draft_config
 from .errors import EngineError
 from .model import Transformer
 from .presets import SYNTHETIC_DRAFT_LAYERS, SYNTHETIC_PRESETS
@@ -332,11 +332,7 @@ def load_drafter(spec: str | None, target: Target, block_size: int | None = None
 def random_draft(target: Target, layers: int, seed: int = 0) -> DFlashDraftModel:
     """A DFlash draft with random weights shaped for the target (real cost, near-zero acceptance)."""
     tcfg = target.model.cfg
-    cfg = dataclasses.replace(tcfg, model_type="qwen3", num_layers=layers, qk_norm=True, qkv_bias=False,
-                              o_bias=False, mlp_bias=False)
-    dcfg = DraftConfig(cfg, block_size=16, mask_token_id=tcfg.vocab_size - 1,
-                       target_layer_ids=tuple(default_target_layer_ids(tcfg.num_layers, layers)),
-                       sliding_window=(None,) * layers)
+    dcfg = draft_config(tcfg, layers, block_size=16, mask_token_id=tcfg.vocab_size - 1)
     draft = _empty(lambda: DFlashDraftModel(dcfg), target.model.device, target.model.dtype)
     _randomize(draft, seed + 1)
     return draft

@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .draft import DFlashDraftModel, DraftConfig, default_target_layer_ids
+from kernels.fused import rmsnorm_reference, rope_reference
+
+from .draft import DFlashDraftModel, draft_config
 from .errors import EngineError
 from .loading import Target
 from .model import Rotary
@@ -107,14 +109,7 @@ def generate_data(target: Target, hf, settings: TrainSettings, device) -> list[d
 # ---------------------------------------------------------------------------------------------------- model
 
 def new_draft(target: Target, settings: TrainSettings, mask_token_id: int) -> DFlashDraftModel:
-    import dataclasses
-
-    tcfg = target.model.cfg
-    cfg = dataclasses.replace(tcfg, model_type="qwen3", num_layers=settings.layers, qk_norm=True, qkv_bias=False,
-                              o_bias=False, mlp_bias=False)
-    dcfg = DraftConfig(cfg, block_size=settings.block_size, mask_token_id=mask_token_id,
-                       target_layer_ids=tuple(default_target_layer_ids(tcfg.num_layers, settings.layers)),
-                       sliding_window=(None,) * settings.layers)
+    dcfg = draft_config(target.model.cfg, settings.layers, settings.block_size, mask_token_id)
     torch.manual_seed(settings.seed)
     draft = DFlashDraftModel(dcfg)
     for name, p in draft.named_parameters():
@@ -137,17 +132,8 @@ def pick_mask_token(target: Target) -> int:
     return target.model.cfg.vocab_size - 1
 
 
-def _rms(x, weight, eps):
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
-def _rotate(x, cos, sin):
-    """RoPE on the first cos.shape[-1] dims of the head (all of them unless the config rotates a part)."""
-    rd = cos.shape[-1]
-    x_rot, x_pass = x[..., :rd], x[..., rd:]
-    rotated = torch.cat((-x_rot[..., rd // 2:], x_rot[..., :rd // 2]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+def _norm(x, weight, eps):
+    return rmsnorm_reference(x, weight, eps)[0]  # plain PyTorch: differentiable
 
 
 def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w, feats, tokens, anchors):
@@ -160,7 +146,7 @@ def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w,
     A, B = anchors.shape[1], dcfg.block_size
     H, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dev = tokens.device
-    ctx = _rms(draft.fc(feats), draft.hidden_norm.weight, cfg.rms_norm_eps)             # [N, L, H]
+    ctx = _norm(draft.fc(feats), draft.hidden_norm.weight, cfg.rms_norm_eps)             # [N, L, H]
     offs = torch.arange(B, device=dev)
     blk_pos = (anchors[..., None] + offs).reshape(N, A * B)                                # [N, A*B]
     blk_ids = torch.full((N, A, B), dcfg.mask_token_id, dtype=torch.long, device=dev)
@@ -174,22 +160,22 @@ def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w,
     mask = torch.cat((see_ctx, see_blk), dim=-1)[:, None]
     cos_c, sin_c = rotary(ctx_pos[None].expand(N, L), x.dtype)
     cos_b, sin_b = rotary(blk_pos, x.dtype)
-    cos_k, sin_k = torch.cat((cos_c, cos_b), 1)[:, None], torch.cat((sin_c, sin_b), 1)[:, None]
+    cos_k, sin_k = torch.cat((cos_c, cos_b), 1), torch.cat((sin_c, sin_b), 1)
     for layer in draft.layers:
         a = layer.self_attn
-        h = _rms(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
-        q = _rms(a.q_proj(h).view(N, A * B, nh, d), a.q_norm.weight, cfg.rms_norm_eps).transpose(1, 2)
+        h = _norm(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
+        q = _norm(a.q_proj(h).view(N, A * B, nh, d), a.q_norm.weight, cfg.rms_norm_eps).transpose(1, 2)
         kv_in = torch.cat((ctx, h), dim=1)
-        k = _rms(a.k_proj(kv_in).view(N, -1, nkv, d), a.k_norm.weight, cfg.rms_norm_eps).transpose(1, 2)
+        k = _norm(a.k_proj(kv_in).view(N, -1, nkv, d), a.k_norm.weight, cfg.rms_norm_eps).transpose(1, 2)
         v = a.v_proj(kv_in).view(N, -1, nkv, d).transpose(1, 2)
-        q = _rotate(q, cos_b[:, None], sin_b[:, None])
-        k = _rotate(k, cos_k, sin_k)
+        q = rope_reference(q, cos_b, sin_b)
+        k = rope_reference(k, cos_k, sin_k)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != nkv)
         x = x + a.o_proj(o.transpose(1, 2).reshape(N, A * B, nh * d))
         m = layer.mlp
-        h = _rms(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+        h = _norm(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
         x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
-    out = _rms(x, draft.norm.weight, cfg.rms_norm_eps).view(N, A, B, H)[:, :, 1:]
+    out = _norm(x, draft.norm.weight, cfg.rms_norm_eps).view(N, A, B, H)[:, :, 1:]
     return out @ head_w.t()
 
 

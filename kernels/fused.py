@@ -98,7 +98,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, T, D]; cos, sin [B, T, R]: rotate the first R dims, pass the rest through."""
     R = cos.shape[-1]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -144,8 +144,8 @@ def qk_norm_rope_store_reference(qkv: torch.Tensor, num_heads: int, num_kv_heads
         q = rmsnorm_reference(q, q_norm, eps)[0]
     if k_norm is not None:
         k = rmsnorm_reference(k, k_norm, eps)[0]
-    q = _rope_reference(q.transpose(1, 2), cos, sin)
-    k = _rope_reference(k.transpose(1, 2), cos, sin)
+    q = rope_reference(q.transpose(1, 2), cos, sin)
+    k = rope_reference(k.transpose(1, 2), cos, sin)
     k_cache.index_copy_(2, slots, k)
     v_cache.index_copy_(2, slots, v.transpose(1, 2))
     return q.contiguous()
