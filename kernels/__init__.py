@@ -12,6 +12,13 @@ ENGINE_DISABLE_TRITON=1 forces the references everywhere.
 
 import os
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (a CPU-only platform without wheels): the references are the only path
+    triton = None
+    tl = None
+
 
 def triton_disabled() -> bool:
     """ENGINE_DISABLE_TRITON=1 (read at each call) makes every dispatcher use its PyTorch reference."""

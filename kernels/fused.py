@@ -53,14 +53,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton (a CPU-only platform without wheels): the references are the only path
-    triton = None
-    tl = None
-
-from kernels import triton_disabled
+from kernels import tl, triton, triton_disabled
 
 __all__ = [
     "rmsnorm", "rmsnorm_reference", "rmsnorm_triton",

@@ -20,14 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import triton_disabled
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton: the reference is the only path
-    triton = None
-    tl = None
+from kernels import tl, triton, triton_disabled
 
 __all__ = ["topk_logprobs", "topk_logprobs_reference", "topk_logprobs_triton"]
 

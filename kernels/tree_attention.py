@@ -49,14 +49,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import triton_disabled
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton (a CPU-only platform without wheels): the reference is the only path
-    triton = None
-    tl = None
+from kernels import tl, triton, triton_disabled
 
 BLOCK_N = 64        # keys per inner-loop block
 SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)

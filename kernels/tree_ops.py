@@ -58,14 +58,7 @@ import heapq
 import numpy as np
 import torch
 
-from kernels import triton_disabled
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton (a CPU-only platform without wheels): the references are the only path
-    triton = None
-    tl = None
+from kernels import tl, triton, triton_disabled
 
 __all__ = [
     "build_tree", "build_tree_reference", "build_tree_triton",
