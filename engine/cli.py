@@ -78,19 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _device_dtype(args, tp_device=None) -> tuple[torch.device, torch.dtype]:
-    if tp_device is not None:  # under tensor parallelism each rank's device comes from its local rank
-        device = tp_device
-    elif args.device == "auto":
+    device = _device(args.device) if tp_device is None else tp_device  # under TP: the local rank's device
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, dtype
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         try:
-            device = torch.device(args.device)
+            device = torch.device(name)
         except RuntimeError:
-            raise EngineError(f"unknown device {args.device!r}") from None
+            raise EngineError(f"unknown device {name!r}") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise EngineError("--device cuda asked for, but this machine has no usable GPU")
-    dtype = DTYPES[args.dtype] if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, dtype
+    return device
 
 
 def _check_sizes(args) -> None:
@@ -262,8 +265,7 @@ def cmd_train_draft(args) -> int:
             raise EngineError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}")
     if settings.block_size < 2 or settings.lr <= 0 or settings.gamma <= 0:
         raise EngineError("--block-size must be >= 2, --lr and --gamma > 0")
-    args.dtype = "float32"  # training keeps float32 weights (bf16 autocast on GPUs)
-    device, _ = _device_dtype(args)
+    device = _device(args.device)  # float32 master weights; bf16 autocast on GPUs
     t0 = time.perf_counter()
     draft_dir = train(load_target(args.target, device, torch.float32), settings, device, resume=args.resume)
     minutes = (time.perf_counter() - t0) / 60

@@ -35,9 +35,10 @@ def _skip_unrunnable_width(harness, tp: int) -> None:
                     f"correctness/test_tensor_parallel.py")
     from perf.conftest import visible_gpus
 
-    if len(visible_gpus()) < tp:
-        pytest.skip(f"tp{tp} needs {tp} GPUs; this process sees {len(visible_gpus())} (under xdist each worker "
-                    f"gets one: run tp>1 without -n)")
+    gpus = len(visible_gpus())
+    if gpus < tp:
+        pytest.skip(f"tp{tp} needs {tp} GPUs; this process sees {gpus} (under xdist each worker gets one: run tp>1 "
+                    f"without -n)")
 
 
 def _measure(harness, pair, tp, workload, length, method) -> dict:
