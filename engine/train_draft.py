@@ -196,7 +196,7 @@ def block_loss(logits, tokens, anchors, lengths, gamma: float):
 
 # ------------------------------------------------------------------------------------------------ training
 
-def _batch(data, idx, device, anchors: int, block: int, gen: torch.Generator):
+def _batch(data, idx, device, n_anchors: int, gen: torch.Generator):
     seqs = [data[i] for i in idx]
     L = max(len(s["ids"]) for s in seqs)
     tokens = torch.zeros(len(seqs), L, dtype=torch.long)
@@ -206,7 +206,7 @@ def _batch(data, idx, device, anchors: int, block: int, gen: torch.Generator):
     # anchors in the answer, with at least one label after them: p in [prompt_len, len - 2]
     lo = torch.tensor([s["prompt_len"] for s in seqs])
     span = (lengths - 1 - lo).clamp(min=1)
-    anchors = lo[:, None] + (torch.rand(len(seqs), anchors, generator=gen) * span[:, None]).long()
+    anchors = lo[:, None] + (torch.rand(len(seqs), n_anchors, generator=gen) * span[:, None]).long()
     return tokens.to(device), lengths.to(device), anchors.to(device)
 
 
@@ -313,7 +313,7 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
     draft.train()
     while step < settings.steps:
         idx = torch.randint(len(data), (settings.batch,), generator=gen).tolist()
-        tokens, lengths, anchors = _batch(data, idx, device, settings.anchors, settings.block_size, gen)
+        tokens, lengths, anchors = _batch(data, idx, device, settings.anchors, gen)
         with torch.no_grad():
             positions = torch.arange(tokens.shape[1], device=device)
             hidden = hf(tokens, attention_mask=(positions[None] < lengths[:, None]).long(),
