@@ -57,3 +57,22 @@ def test_synthetic_qwen3_lossless_on_gpu():
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 130)]
     assert check_pair(target, prompts, 48) >= 0.9  # spread synthetic logits: near-ties are rare
+
+
+def test_decoders_sharing_a_drafter_recapture_after_it_grows():
+    """Two decoders over one drafter: a longer request through the second re-allocates the drafter's cache, so the
+    first must capture its graphs again instead of replaying graphs over freed buffers (as the perf suite does)."""
+    target = engine.load_target("synthetic:qwen3-0.6b", "cuda", torch.bfloat16)
+    drafter = engine.load_drafter("random:2", target)
+    prompt = list(range(100, 140))
+    dflash = engine.Decoder(target.model, drafter, engine.DecodeSettings("dflash", 0))
+    ddtree = engine.Decoder(target.model, drafter, engine.DecodeSettings("ddtree", 64))
+    ref = engine.Decoder(target.model).generate(prompt, 40, record_margins=True)
+    assert dflash.generate(prompt, 40).tokens == ref.tokens  # graphs captured over the drafter's first cache
+    before = drafter.cache
+    ddtree.generate(prompt, 600)
+    assert drafter.cache is not before, "the longer request should have re-allocated the drafter's cache"
+    for _ in range(2):
+        verdict = compare_tokens(ref.tokens, ref.margins, dflash.generate(prompt, 40).tokens,
+                                 tolerance_for(torch.bfloat16))
+        assert verdict.ok, verdict.describe()

@@ -143,13 +143,16 @@ def test_default_pair_equals_ar(default_target, method, budget):
             assert_lossless(ref, result, f"default pair {method} {budget} {type(drafter).__name__}")
 
 
-@pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 15)])
-def test_run_ahead_reads_the_same_rounds(tiny, method, budget):
+@pytest.mark.parametrize("method,budget,miss_rate", [("ar", 0, None), ("dflash", 0, 0.3), ("ddtree", 15, 0.3),
+                                                     ("dflash", 0, 0.0), ("ddtree", 15, 0.0)])
+def test_run_ahead_reads_the_same_rounds(tiny, method, budget, miss_rate):
     """The GPU's run-ahead loop (one round in flight while the host reads the previous one), forced on a CPU:
-    the same tokens and rounds as the synchronous loop, at the length limit, at a stop token and at max 1-3."""
+    the same tokens and rounds as the synchronous loop, at the length limit, at a stop token and at max 1-3.
+    A perfect oracle sized to exactly the reference (miss rate 0) makes the round run ahead at the length limit
+    draft past the end of the reference."""
     target, prompts, refs = tiny
     prompt, ref = prompts[0], refs[0]
-    drafter = None if method == "ar" else oracle(target, prompt, ref, 8, miss_rate=0.3)
+    drafter = None if method == "ar" else oracle(target, prompt, ref, 8, miss_rate=miss_rate)
     settings = engine.DecodeSettings(method, budget)
     for stop, n in (((), NEW_TOKENS), ((ref.tokens[17],), NEW_TOKENS), ((), 1), ((), 2), ((), 3), ((), 11)):
         sync_run = engine.Decoder(target.model, drafter, settings, run_ahead=False).generate(prompt, n, stop)

@@ -107,6 +107,7 @@ class Decoder:
         self.cuda_graphs = (on_gpu and graphable) if cuda_graphs is None else (cuda_graphs and on_gpu and graphable)
         self.capacity = 0
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
+        self.graphed_drafter_cache = None  # the drafter buffers the graphs were captured over
         # one round in flight ahead of the host (None: on a GPU; on a CPU it only costs a round at stop tokens)
         self.run_ahead = on_gpu if run_ahead is None else run_ahead
 
@@ -189,6 +190,7 @@ class Decoder:
         """Record each stage once as a CUDA graph over the static buffers (after an eager warm-up round)."""
         pool = torch.cuda.graph_pool_handle()
         self.graphs = {}
+        self.graphed_drafter_cache = getattr(self.drafter, "cache", None)
         for name, stage in self._stages().items():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -205,14 +207,15 @@ class Decoder:
         stop = set(stop_ids)
         n_prompt = len(prompt_ids)
         needed = n_prompt + max_new_tokens + 2 * (self.nodes + self.block) + 1  # room for a round run ahead
-        drafter_cache = getattr(self.drafter, "cache", None)
         if needed > self.capacity:
             self._allocate(needed)
         self.cache.reset()
         if self.speculative:
             self.drafter.start(n_prompt, self.capacity)
-            if getattr(self.drafter, "cache", None) is not drafter_cache:
-                self.graphs = None  # the drafter's buffers moved: graphs captured over the old ones are stale
+            # Decoders may share a drafter, and another's longer request may have re-allocated its buffers since
+            # this one captured its graphs: graphs over the old buffers would read freed memory.
+            if getattr(self.drafter, "cache", None) is not self.graphed_drafter_cache:
+                self.graphs = None
         use_graphs = self.cuda_graphs and not record_margins
         timer = StageTimer(dev)
         margins: list[float] = []
