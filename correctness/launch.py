@@ -17,7 +17,8 @@ def run_torchrun(nproc: int, args: list[str], timeout: float, cpu: bool = False,
     """`torchrun --standalone --nproc_per_node=nproc ARGS` (ARGS start with -m MODULE); raises AssertionError with
     the tail of the output on a non-zero exit or a timeout. cpu=True hides the GPUs (gloo)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", **(env or {}))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # keep the caller's entries
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONWARNINGS="ignore", **(env or {}))
     if cpu:
         full_env["CUDA_VISIBLE_DEVICES"] = ""
     # On a hang, SIGTERM to torchrun, which forwards it to the ranks (each in a session of its own) and waits for

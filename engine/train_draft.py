@@ -44,7 +44,7 @@ class TrainSettings:
     block_size: int = 16
     prompts: int = 4096
     new_tokens: int = 192
-    gen_batch: int = 128
+    gen_batch: int = 512
     steps: int = 2000
     batch: int = 16
     anchors: int = 16

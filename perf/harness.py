@@ -92,8 +92,14 @@ class Harness:
         """A record at tensor-parallel width tp > 1: one `torchrun -m engine bench --tp` per (pair, width) measures
         every workload and method (the same harness inside); its records are reused by the tests that follow."""
         if (pair, tp) not in self._tp_runs:
-            self._tp_runs[(pair, tp)] = self._run_tp_bench(pair, tp, methods, workloads)
-        record = self._tp_runs[(pair, tp)][(workload, length, method)]
+            try:
+                self._tp_runs[(pair, tp)] = self._run_tp_bench(pair, tp, methods, workloads)
+            except AssertionError as e:  # every test of this (pair, width) reports the one failed run
+                self._tp_runs[(pair, tp)] = e
+        run = self._tp_runs[(pair, tp)]
+        if isinstance(run, AssertionError):
+            raise run
+        record = run[(workload, length, method)]
         if record not in self.records:
             self.records.append(record)
             self.write_results()

@@ -29,6 +29,8 @@ def _suite(tmp_path, pytestconfig, planted: bool) -> subprocess.CompletedProcess
     cmd = [sys.executable, "-m", "pytest", "perf", "-m", "tp1", "-q", "-p", "no:cacheprovider", "--require-floors",
            "-k", SELECTION, "--floors", pytestconfig.getoption("floors"),
            "--perf-results", str(tmp_path / f"gate-{'planted' if planted else 'clean'}.json")]
+    if planted:
+        cmd.append("-x")  # the first floor that fails is the answer: the eager references are slow
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
