@@ -282,14 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     from .parallel import init_tensor_parallel
 
     args = build_parser().parse_args(argv)
-    if args.command == "train-draft":
-        try:
-            return cmd_train_draft(args)
-        except EngineError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
     tp = None
     try:
+        if args.command == "train-draft":
+            return cmd_train_draft(args)
         tp, tp_device = init_tensor_parallel(args.tp)
         command = cmd_generate if args.command == "generate" else cmd_bench
         return command(args, tp, tp_device)

@@ -10,8 +10,8 @@
    tokens, weighted exp(-(j - 1) / gamma) by block position j. The target's embedding and LM head are borrowed
    and frozen, as at inference. AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs.
 3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
-   the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors), which `--draft OUT/draft`
-   loads. At the end, the held-out acceptance: tau of DFlash and DDTree on engine.corpus.heldout_prompts().
+   the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors, or HF-style shards of at
+   most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash and DDTree on engine.corpus.heldout_prompts().
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ class Harness:
         self.pairs = pair_specs(config, self.on_gpu)
         self.records: list[dict] = []
         self._targets, self._drafters, self._decoders, self._references, self._measured = {}, {}, {}, {}, {}
-        self._tp_runs: dict[tuple[str, int], dict] = {}
+        self._tp_runs: dict[tuple[str, int], dict | AssertionError] = {}  # records, or the run's failure
 
     def _target(self, spec: str):
         if spec not in self._targets:
