@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -57,6 +58,13 @@ def load(path: Path = FLOORS_PATH) -> dict[tuple, dict]:
     return floors
 
 
+def _round_down(x: float, digits: int) -> float:
+    """A floor must not exceed what it was recorded from: round towards zero (round() may go up, and with a margin
+    of 1 the very run it came from would fail)."""
+    scale = 10 ** digits
+    return math.floor(x * scale) / scale
+
+
 def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: float = 0.9,
            tau_margin: float = 0.98) -> int:
     """Write floors from measured results: tok/s floor = measured * margin (GPUs only), tau floor =
@@ -78,8 +86,8 @@ def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: fl
                 continue  # never raise a floor from output that was not right
             key = floor_key(*(r[f] for f in KEY_FIELDS))
             gpu = r["device"] != "cpu"
-            floors[key] = dict(zip(KEY_FIELDS, key), tok_s=round(r["tok_s_median"] * margin, 2) if gpu else None,
-                               tau=round(r["tau"] * tau_margin, 3))
+            floors[key] = dict(zip(KEY_FIELDS, key), tok_s=_round_down(r["tok_s_median"] * margin, 2) if gpu else None,
+                               tau=_round_down(r["tau"] * tau_margin, 3))
             written += 1
     from engine.results import write_json
 

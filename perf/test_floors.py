@@ -64,3 +64,18 @@ def test_record_cli_errors(tmp_path, capsys):
     assert main(["record", str(results(tmp_path, [dict(device="cpu", method="ar")])), "--margin", "1.5",
                  "--floors", str(tmp_path / "f.json")]) == 2
     assert not (tmp_path / "f.json").exists()
+
+
+def test_recorded_floors_never_exceed_the_run_they_come_from(tmp_path):
+    """A tau of 64/27 = 2.37037 must give a floor <= it, also at a margin of 1 (round() gave 2.37 here, but
+    4.7407 became 4.741 and the very run failed its own floor on the H200)."""
+    floors_path = tmp_path / "floors.json"
+    taus = (64 / 27, 128 / 27, 4.74074, 5.4468, 2 / 3)
+    res = results(tmp_path, [dict(device="NVIDIA H200", method=f"m{i}", tau=t, tok_s_median=t * 1000 + 0.996)
+                             for i, t in enumerate(taus)])
+    record([res], floors_path, margin=1.0, tau_margin=1.0)
+    floors = load(floors_path)
+    for i, t in enumerate(taus):
+        entry = floors[floor_key("NVIDIA H200", 1, "p", "fib", "short", f"m{i}")]
+        assert entry["tau"] <= t and t - entry["tau"] < 1e-3
+        assert entry["tok_s"] <= t * 1000 + 0.996
