@@ -40,6 +40,7 @@ class TensorParallel:
     world: int
     group: object = None  # the default process group
     one_shot: torch.Tensor | None = None  # flat symmetric-memory buffer (width 2 on GPUs), see enable_one_shot
+    one_shot_group: str = ""  # the process group's name, as the symmetric-memory ops take it
 
     def enable_one_shot(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the peer-readable buffer (a collective call: every rank, same order). Skipped, with NCCL
@@ -49,13 +50,14 @@ class TensorParallel:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
+            name = dist.group.WORLD.group_name
             buf = symm_mem.empty(ONE_SHOT_BYTES // dtype.itemsize, dtype=dtype, device=device)
-            symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+            symm_mem.rendezvous(buf, name)
         except (ImportError, RuntimeError, AttributeError) as e:
             print(f"tensor parallelism: symmetric memory unavailable ({type(e).__name__}: {e}); all-reduces use "
                   f"NCCL", file=sys.stderr)
             return
-        self.one_shot = buf
+        self.one_shot, self.one_shot_group = buf, name
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 2:
@@ -63,7 +65,7 @@ class TensorParallel:
             if buf is not None and x.dtype == buf.dtype and x.is_contiguous() and x.numel() <= buf.numel():
                 staged = buf[:x.numel()]
                 staged.copy_(x.view(-1))
-                torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", dist.group.WORLD.group_name, x.view(-1))
+                torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.one_shot_group, x.view(-1))
                 return x
             dist.all_reduce(x, group=self.group)
             return x

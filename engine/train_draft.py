@@ -11,7 +11,8 @@
    and frozen, as at inference. AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs.
 3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
    the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors, or HF-style shards of at
-   most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash and DDTree on engine.corpus.heldout_prompts().
+   most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash
+   and DDTree on engine.corpus.heldout_prompts().
 """
 from __future__ import annotations
 

@@ -67,8 +67,8 @@ def test_record_cli_errors(tmp_path, capsys):
 
 
 def test_recorded_floors_never_exceed_the_run_they_come_from(tmp_path):
-    """A tau of 64/27 = 2.37037 must give a floor <= it, also at a margin of 1 (round() gave 2.37 here, but
-    4.7407 became 4.741 and the very run failed its own floor on the H200)."""
+    """At a margin of 1 a floor must still be <= the value it came from: rounding to nearest turned a tau of
+    4.7407 into a floor of 4.741, and the H200 run failed its own floors."""
     floors_path = tmp_path / "floors.json"
     taus = (64 / 27, 128 / 27, 4.74074, 5.4468, 2 / 3)
     res = results(tmp_path, [dict(device="NVIDIA H200", method=f"m{i}", tau=t, tok_s_median=t * 1000 + 0.996)
