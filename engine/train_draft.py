@@ -1,8 +1,8 @@
 """`python -m engine train-draft`: train a DFlash draft for a target from the target's own greedy outputs.
 
 1. Data: prompts from engine/corpus.py (in the target's chat template; seeded random ids for a target without
-   a tokenizer), answered greedily by the target with transformers' batched `generate` (left padding). Saved once
-   in OUT/data.pt, so a resumed run does not generate again.
+   a tokenizer), answered greedily by the target with transformers' batched `generate` (left padding), each for
+   the full --new-tokens, past end-of-sequence. Saved once in OUT/data.pt, so a resumed run does not generate again.
 2. Training, as the DFlash paper does: the target's hidden states after `target_layer_ids` are the context
    features (computed on the fly, frozen target); in each sequence, random anchor positions p in the answer;
    the block [token p, mask, ..., mask] at positions p..p+B-1 sees the context features of positions < p and
@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -43,11 +44,11 @@ class TrainSettings:
     out: str
     layers: int = 4
     block_size: int = 16
-    prompts: int = 4096
-    new_tokens: int = 192
-    gen_batch: int = 512
-    steps: int = 2000
-    batch: int = 16
+    prompts: int = 40960
+    new_tokens: int = 256
+    gen_batch: int = 2048
+    steps: int = 5000
+    batch: int = 32
     anchors: int = 16
     lr: float = 6e-4
     warmup: int = 100
@@ -80,30 +81,27 @@ def _prompt_ids(target: Target, n: int, seed: int) -> list[list[int]]:
 
 @torch.no_grad()
 def generate_data(target: Target, hf, settings: TrainSettings, device) -> list[dict]:
-    """[{ids: prompt + greedy answer, prompt_len}] with answers from batched greedy generate."""
+    """[{ids: prompt + greedy answer, prompt_len}] with answers from batched greedy generate.
+
+    Every answer runs the full settings.new_tokens, past end-of-sequence tokens: `bench` and the perf suite decode
+    fixed lengths, so the draft must also know what the target writes after it would have stopped (new turns)."""
     from tqdm import tqdm
 
     prompts = _prompt_ids(target, settings.prompts, settings.seed)
-    stop = set(target.stop_ids)
-    pad = 0
+    config = copy.deepcopy(hf.generation_config)
+    # an id the model cannot produce: `generate` never stops early (None falls back to the model's own EOS)
+    config.update(max_new_tokens=settings.new_tokens, do_sample=False, pad_token_id=0,
+                  eos_token_id=[target.model.cfg.vocab_size], temperature=None, top_p=None, top_k=None)
     data = []
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
     for lo in tqdm(range(0, len(order), settings.gen_batch), desc="generating answers", unit="batch",
                    file=sys.stderr):
         batch = [prompts[i] for i in order[lo:lo + settings.gen_batch]]
         width = max(map(len, batch))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=settings.new_tokens, do_sample=False,
-                          pad_token_id=pad, eos_token_id=list(stop) or None)
-        for p, row in zip(batch, out[:, width:].tolist()):
-            answer = []
-            for t in row:
-                answer.append(t)
-                if t in stop:
-                    break
-            if len(answer) >= 2:
-                data.append(dict(ids=p + answer, prompt_len=len(p)))
+        out = hf.generate(ids, attention_mask=mask, generation_config=config)
+        data.extend(dict(ids=p + row, prompt_len=len(p)) for p, row in zip(batch, out[:, width:].tolist()))
     return data
 
 
@@ -291,8 +289,6 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         log(f"data: {len(data)} sequences from {data_path}")
     else:
         data = generate_data(target, hf, settings, device)
-        if not data:
-            raise EngineError("the target produced no usable answers (every answer ended at once)")
         _atomic_save(dict(data=data, settings=asdict(settings)), data_path)
         log(f"data: {len(data)} sequences, {sum(len(d['ids']) - d['prompt_len'] for d in data)} answer tokens, "
             f"{time.perf_counter() - t0:.0f} s")
