@@ -146,14 +146,14 @@ def test_default_pair_equals_ar(default_target, method, budget):
 
 def test_default_draft_is_the_committed_trained_draft(default_target):
     """`--draft default` for the default target loads engine/drafts/smollm2-135m-dflash, and the target accepts
-    what it drafts (a random draft gives tau 1; this one 2.6 on the fib prompt on CPUs)."""
+    what it drafts (a random draft gives tau 1; this one 2.75 on the fib prompt on CPUs)."""
     from engine.loading import DEFAULT_DRAFT_DIR
 
     assert default_target.default_draft == str(DEFAULT_DRAFT_DIR)
     drafter = engine.load_drafter("default", default_target)
     prompt = default_target.encode(PROMPTS["fib"])
     result = engine.Decoder(default_target.model, drafter, engine.DecodeSettings("dflash", 0)).generate(prompt, 32)
-    assert result.tau > 1.5, f"the default draft is barely accepted: tau {result.tau:.2f}"
+    assert result.tau > 2.0, f"the default draft is barely accepted: tau {result.tau:.2f}"
 
 
 @pytest.mark.parametrize("method,budget,miss_rate", [("ar", 0, None), ("dflash", 0, 0.3), ("ddtree", 15, 0.3),
