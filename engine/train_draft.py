@@ -327,7 +327,8 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         opt.step()
         step += 1
         bar.update()
-        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{right.item():.2f}")
+        if step % 10 == 0 or step == settings.steps:  # .item() waits for the GPU: not on every step
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{right.item():.2f}")
         if step % settings.save_every == 0 or step == settings.steps:
             _atomic_save(dict(draft=draft.state_dict(), optimizer=opt.state_dict(), step=step,
                               settings=asdict(settings)), ckpt_path)
