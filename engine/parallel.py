@@ -54,8 +54,9 @@ class TensorParallel:
             buf = symm_mem.empty(ONE_SHOT_BYTES // dtype.itemsize, dtype=dtype, device=device)
             symm_mem.rendezvous(buf, name)
         except (ImportError, RuntimeError, AttributeError) as e:
-            print(f"tensor parallelism: symmetric memory unavailable ({type(e).__name__}: {e}); all-reduces use "
-                  f"NCCL", file=sys.stderr)
+            if self.rank == 0:  # the same software fails alike on every rank: one line is enough
+                print(f"tensor parallelism: symmetric memory unavailable ({type(e).__name__}: {e}); all-reduces "
+                      f"use NCCL", file=sys.stderr)
             return
         self.one_shot, self.one_shot_group = buf, name
 
