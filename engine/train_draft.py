@@ -178,9 +178,9 @@ def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w,
     return out @ head_w.t()
 
 
-def block_loss(logits, tokens, anchors, lengths, gamma: float):
+def block_loss(logits, tokens, anchors, lengths, gamma: float, accuracy: bool = True):
     """Weighted cross-entropy against tokens p+1..p+B-1 (positions past a sequence's end do not count); also the
-    share of block positions whose argmax is right."""
+    share of block positions whose argmax is right (None unless `accuracy`: it reads all the logits again)."""
     N, A, Bm1, V = logits.shape
     j = torch.arange(1, Bm1 + 1, device=tokens.device)
     pos = anchors[..., None] + j                                                       # [N, A, B-1]
@@ -189,24 +189,34 @@ def block_loss(logits, tokens, anchors, lengths, gamma: float):
     weight = torch.exp(-(j - 1).float() / gamma) * valid
     ce = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), reduction="none").view(N, A, Bm1)
     loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
-    right = ((logits.argmax(-1) == labels) & valid).sum() / valid.sum().clamp(min=1)
+    if not accuracy:
+        return loss, None
+    with torch.no_grad():
+        right = ((logits.argmax(-1) == labels) & valid).sum() / valid.sum().clamp(min=1)
     return loss, right
 
 
 # ------------------------------------------------------------------------------------------------ training
 
-def _batch(data, idx, device, n_anchors: int, gen: torch.Generator):
-    seqs = [data[i] for i in idx]
-    L = max(len(s["ids"]) for s in seqs)
-    tokens = torch.zeros(len(seqs), L, dtype=torch.long)
-    for n, s in enumerate(seqs):
-        tokens[n, :len(s["ids"])] = torch.tensor(s["ids"])
-    lengths = torch.tensor([len(s["ids"]) for s in seqs])
+def pack(data, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All sequences in one zero-padded id tensor on the device (a batch is then one gather, no host work), with
+    their lengths and prompt lengths on the host."""
+    lengths = torch.tensor([len(d["ids"]) for d in data])
+    tokens = torch.zeros(len(data), int(lengths.max()), dtype=torch.long)
+    for n, d in enumerate(data):
+        tokens[n, :len(d["ids"])] = torch.tensor(d["ids"])
+    return tokens.to(device), lengths, torch.tensor([d["prompt_len"] for d in data])
+
+
+def _batch(packed, idx: torch.Tensor, n_anchors: int, gen: torch.Generator):
+    all_tokens, all_lengths, all_prompt_lens = packed
+    lengths, lo = all_lengths[idx], all_prompt_lens[idx]
+    dev = all_tokens.device
+    tokens = all_tokens[idx.to(dev), :int(lengths.max())]
     # anchors in the answer, with at least one label after them: p in [prompt_len, len - 2]
-    lo = torch.tensor([s["prompt_len"] for s in seqs])
     span = (lengths - 1 - lo).clamp(min=1)
-    anchors = lo[:, None] + (torch.rand(len(seqs), n_anchors, generator=gen) * span[:, None]).long()
-    return tokens.to(device), lengths.to(device), anchors.to(device)
+    anchors = lo[:, None] + (torch.rand(len(idx), n_anchors, generator=gen) * span[:, None]).long()
+    return tokens, lengths.to(dev), anchors.to(dev)
 
 
 def _lr(step: int, settings: TrainSettings) -> float:
@@ -308,26 +318,28 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
     gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)  # a resumed run draws new batches
     bar = tqdm(total=settings.steps, initial=step, desc="training", unit="step", file=sys.stderr)
     draft.train()
+    packed = pack(data, device)
     while step < settings.steps:
-        idx = torch.randint(len(data), (settings.batch,), generator=gen).tolist()
-        tokens, lengths, anchors = _batch(data, idx, device, settings.anchors, gen)
+        idx = torch.randint(len(data), (settings.batch,), generator=gen)
+        tokens, lengths, anchors = _batch(packed, idx, settings.anchors, gen)
         with torch.no_grad():
-            positions = torch.arange(tokens.shape[1], device=device)
-            hidden = hf(tokens, attention_mask=(positions[None] < lengths[:, None]).long(),
-                        output_hidden_states=True).hidden_states
+            # the base model: no LM head over every position. No padding mask: padding sits at the end, and causal
+            # attention keeps it out of every real position's features
+            hidden = hf.base_model(tokens, output_hidden_states=True).hidden_states
             feats = torch.cat([hidden[i] for i in feature_ids], dim=-1)
         for group in opt.param_groups:
             group["lr"] = _lr(step, settings)
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
             logits = draft_logits_train(draft, rotary, embed_w, head_w, feats, tokens, anchors)
-            loss, right = block_loss(logits, tokens, anchors, lengths, settings.gamma)
+            report = (step + 1) % 10 == 0 or step + 1 == settings.steps  # .item() waits for the GPU: not every step
+            loss, right = block_loss(logits, tokens, anchors, lengths, settings.gamma, accuracy=report)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         step += 1
         bar.update()
-        if step % 10 == 0 or step == settings.steps:  # .item() waits for the GPU: not on every step
+        if report:
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{right.item():.2f}")
         if step % settings.save_every == 0 or step == settings.steps:
             _atomic_save(dict(draft=draft.state_dict(), optimizer=opt.state_dict(), step=step,
