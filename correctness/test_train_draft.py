@@ -14,7 +14,11 @@ import torch
 import engine
 from engine.corpus import heldout_prompts, training_prompts
 from engine.exactness import compare_tokens
-from engine.train_draft import TrainSettings, heldout_acceptance, save_dflash, train
+from engine.corpus import OPENERS
+from engine.draft import DFlashDrafter, DraftInput
+from engine.model import Rotary
+from engine.train_draft import (TrainSettings, _hf_target, draft_logits_train, heldout_acceptance, new_draft,
+                                save_dflash, self_written_prompts, train, user_turn_prefix)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +30,47 @@ def test_training_prompts_are_distinct_and_never_held_out():
     kinds = ("Write a", "JSON", "step by step", "Explain")
     assert all(any(k in p for p in prompts) for k in kinds)
     assert training_prompts(50, seed=1) == prompts[:50]  # seeded
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias"])
+def test_training_pass_equals_the_inference_pass(tiny_checkpoints, name):
+    """What training optimises is what decoding runs: draft_logits_train's block after an anchor p equals
+    DFlashDrafter.propose given the target's features of positions < p and token p as the bonus."""
+    path, _ = tiny_checkpoints[name]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    hf = _hf_target(target, torch.device("cpu"), torch.float32)
+    draft = new_draft(target, TrainSettings(out="", layers=2, block_size=5, seed=4), mask_token_id=7)
+    for p in draft.parameters():  # past the init's near-zero outputs, so a wrong row or position shows
+        p.data.add_(torch.randn_like(p) * 0.05)
+    seq = torch.randint(10, target.model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = hf(seq, output_hidden_states=True).hidden_states
+        feats = torch.cat([hidden[i + 1] for i in draft.dcfg.target_layer_ids], dim=-1)
+        anchors = torch.tensor([[9, 23, 34]])
+        trained = draft_logits_train(draft, Rotary(target.model.cfg.hf, draft.dcfg.layers.head_dim, "cpu"),
+                                     hf.get_input_embeddings().weight, hf.get_output_embeddings().weight, feats, seq,
+                                     anchors)
+        drafter = DFlashDrafter(draft, target.model)
+        for a, p in enumerate(anchors[0].tolist()):
+            drafter.start(p, 64)
+            proposed = drafter.propose(DraftInput(seq.clone(), torch.tensor(p), feats[:, :p], torch.tensor(p)))
+            torch.testing.assert_close(trained[0, a], proposed, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_self_written_prompts_are_requests_from_the_target(default_target):
+    """The target writes user requests after its user-turn header: seeded, distinct, each beginning with an opener,
+    never a held-out prompt."""
+    prefix = user_turn_prefix(default_target)
+    assert prefix and prefix.rstrip().endswith("user")  # SmolLM2's ChatML header
+    hf = _hf_target(default_target, torch.device("cpu"), torch.float32)
+    settings = TrainSettings(out="", gen_batch=8, seed=3)
+    prompts = self_written_prompts(default_target, hf, 8, settings)
+    assert 4 <= len(prompts) <= 8 and len(set(prompts)) == len(prompts)
+    assert all(any(p.startswith(o) for o in OPENERS[:10]) for p in prompts)  # 10 requests drawn for 8
+    assert all(len(p.split()) >= 3 and "<|im_start|>" not in p for p in prompts)
+    assert not set(prompts) & set(heldout_prompts().values())
+    assert self_written_prompts(default_target, hf, 8, settings) == prompts  # seeded
 
 
 @pytest.mark.slow
@@ -72,4 +117,8 @@ def test_train_draft_rejects_bad_settings(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "engine", "train-draft", "--out", str(tmp_path / "x"), "--steps",
                            "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--steps must be >= 1" in proc.stderr
+    assert not (tmp_path / "x").exists()
+    proc = subprocess.run([sys.executable, "-m", "engine", "train-draft", "--out", str(tmp_path / "x"),
+                           "--self-written", "1.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--self-written is a share of the prompts" in proc.stderr
     assert not (tmp_path / "x").exists()

@@ -265,6 +265,8 @@ def cmd_train_draft(args) -> int:
             raise EngineError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}")
     if settings.block_size < 2 or settings.lr <= 0 or settings.gamma <= 0:
         raise EngineError("--block-size must be >= 2, --lr and --gamma > 0")
+    if not 0 <= settings.self_written <= 1:
+        raise EngineError(f"--self-written is a share of the prompts, from 0 to 1; got {settings.self_written}")
     device = _device(args.device)  # float32 master weights; bf16 autocast on GPUs
     t0 = time.perf_counter()
     draft_dir = train(load_target(args.target, device, torch.float32), settings, device, resume=args.resume)

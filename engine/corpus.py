@@ -1,7 +1,7 @@
 """Offline prompts for training drafts, generated from templates with a seeded RNG (nothing is downloaded):
 explanations, how-tos, code, arithmetic and algebra, JSON and other formats, stories, poems, summaries, emails,
-lists, comparisons, arguments for and against, rewriting, definitions and chat; plus a held-out evaluation set
-that training never sees.
+lists, comparisons, arguments for and against, rewriting, definitions and chat; the openers from which the target
+writes requests itself (engine/train_draft.py); plus a held-out evaluation set that training never sees.
 
 The held-out set is the DESIGN.md section 7 workloads (engine.workloads.PROMPTS) and HELDOUT below. Training uses
 other subjects, tasks and phrasings, and `training_prompts` drops any prompt equal to a held-out one.
@@ -297,6 +297,14 @@ def _chat(rng: random.Random) -> str:
 
 
 KINDS = (_explain, _code, _arithmetic, _formats, _story, _poem, _argue, _howto, _lists, _writing, _chat)
+
+
+# First words of user requests that the target writes itself (train-draft's self-written prompts): the target
+# continues each into a whole request, sampled, so the requests range as widely as the target's own knowledge.
+OPENERS = ("Write", "Explain", "How do I", "What is", "Can you", "Give me", "Summarize", "Create", "List", "Why",
+           "Describe", "Compare", "I need", "Tell me", "What are", "Help me", "Solve", "Translate", "Rewrite",
+           "Generate", "Is it", "Should I", "Design", "Implement", "Calculate", "Plan", "Suggest", "Classify",
+           "Fix", "Convert", "Draft", "Outline", "Imagine", "Find", "Please", "")
 
 
 def heldout_prompts() -> dict[str, str]:

@@ -1,7 +1,10 @@
 """`python -m engine train-draft`: train a DFlash draft for a target from the target's own greedy outputs.
 
-1. Data: prompts from engine/corpus.py (in the target's chat template; seeded random ids for a target without
-   a tokenizer), answered greedily by the target with transformers' batched `generate` (left padding), each for
+1. Data: prompts, then the target's answers. Prompts come from engine/corpus.py's templates (seeded random ids
+   for a target without a tokenizer); optionally a share (--self-written, default 0) the target writes itself:
+   after its chat template's user-turn header and a seeded opener ("Explain", "How do I", ...), it samples the
+   rest of a user request, so the requests range over what the target knows, not over the templates' slots. All are
+   answered greedily in the target's chat template with transformers' batched `generate` (left padding), each for
    the full --new-tokens, past end-of-sequence. Saved once in OUT/data.pt, so a resumed run does not generate again.
 2. Training, as the DFlash paper does: the target's hidden states after `target_layer_ids` are the context
    features (computed on the fly, frozen target); in each sequence, random anchor positions p in the answer;
@@ -53,6 +56,7 @@ class TrainSettings:
     lr: float = 6e-4
     warmup: int = 100
     gamma: float = 7.0
+    self_written: float = 0.0
     save_every: int = 200
     seed: int = 0
     eval_tokens: int = 128
@@ -69,40 +73,94 @@ def _hf_target(target: Target, device, dtype):
     return model
 
 
-def _prompt_ids(target: Target, n: int, seed: int) -> list[list[int]]:
-    from .corpus import training_prompts
+def _generate(hf, prompts: list[list[int]], config, batch: int, desc: str) -> list[list[int]]:
+    """The new ids `generate` appends to each prompt, in the prompts' order; batches of similar lengths, left
+    padding."""
+    from tqdm import tqdm
 
-    if target.tokenizer is None:  # a bare checkpoint: seeded random prompts of 8 to 48 ids
-        rng = random.Random(seed)
-        vocab = target.model.cfg.vocab_size
-        return [[rng.randrange(vocab) for _ in range(rng.randint(8, 48))] for _ in range(n)]
-    return [target.encode(p) for p in training_prompts(n, seed)]
+    device = hf.device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    rows: list[list[int]] = [[] for _ in prompts]
+    for lo in tqdm(range(0, len(order), batch), desc=desc, unit="batch", file=sys.stderr):
+        idx = order[lo:lo + batch]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in idx], device=device)
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx], device=device)
+        out = hf.generate(ids, attention_mask=mask, generation_config=config)
+        for i, row in zip(idx, out[:, width:].tolist()):
+            rows[i] = row
+    return rows
+
+
+def user_turn_prefix(target: Target) -> str | None:
+    """The chat template's text before a user message's content (None without a chat template)."""
+    tok = target.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        return None
+    marker = "\u2063USER\u2063"
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+    return text[:text.index(marker)] if marker in text else None
 
 
 @torch.no_grad()
-def generate_data(target: Target, hf, settings: TrainSettings, device) -> list[dict]:
+def self_written_prompts(target: Target, hf, n: int, settings: TrainSettings) -> list[str]:
+    """Up to n distinct user requests written by the target: a seeded opener after the user-turn header, then
+    sampled (temperature 1, top-p 0.95, seeded) until the end of the turn. Unfinished requests (no end of turn
+    within 96 tokens), requests under three words and held-out prompts are dropped."""
+    from .corpus import OPENERS, heldout_prompts
+
+    prefix = user_turn_prefix(target)
+    if prefix is None or n == 0:
+        return []
+    tok = target.tokenizer
+    stops = set(target.stop_ids) | {tok.eos_token_id} - {None}
+    openers = [OPENERS[i % len(OPENERS)] for i in range(n + n // 4)]  # a quarter more: some are dropped
+    heads = tok([prefix + o for o in OPENERS], add_special_tokens=False).input_ids
+    config = copy.deepcopy(hf.generation_config)
+    config.update(max_new_tokens=96, do_sample=True, temperature=1.0, top_p=0.95, top_k=None, pad_token_id=0,
+                  eos_token_id=sorted(stops))
+    torch.manual_seed(settings.seed)
+    rows = _generate(hf, [heads[i % len(OPENERS)] for i in range(len(openers))], config, settings.gen_batch,
+                     "writing prompts")
+    held, seen, out = set(heldout_prompts().values()), set(), []
+    for opener, row in zip(openers, rows):
+        end = next((k for k, t in enumerate(row) if t in stops), None)
+        if end is None:
+            continue
+        text = (opener + tok.decode(row[:end], skip_special_tokens=True)).strip()
+        if len(text.split()) >= 3 and text not in seen and text not in held:
+            seen.add(text)
+            out.append(text)
+    return out[:n]
+
+
+def _prompt_ids(target: Target, hf, settings: TrainSettings, log) -> list[list[int]]:
+    from .corpus import training_prompts
+
+    n = settings.prompts
+    if target.tokenizer is None:  # a bare checkpoint: seeded random prompts of 8 to 48 ids
+        rng = random.Random(settings.seed)
+        vocab = target.model.cfg.vocab_size
+        return [[rng.randrange(vocab) for _ in range(rng.randint(8, 48))] for _ in range(n)]
+    written = self_written_prompts(target, hf, round(n * settings.self_written), settings)
+    templated = training_prompts(n - len(written), settings.seed)
+    log(f"prompts: {len(written)} written by the target, {len(templated)} from templates")
+    return [target.encode(p) for p in written + templated]
+
+
+@torch.no_grad()
+def generate_data(target: Target, hf, settings: TrainSettings, log=print) -> list[dict]:
     """[{ids: prompt + greedy answer, prompt_len}] with answers from batched greedy generate.
 
     Every answer runs the full settings.new_tokens, past end-of-sequence tokens: `bench` and the perf suite decode
     fixed lengths, so the draft must also know what the target writes after it would have stopped (new turns)."""
-    from tqdm import tqdm
-
-    prompts = _prompt_ids(target, settings.prompts, settings.seed)
+    prompts = _prompt_ids(target, hf, settings, log)
     config = copy.deepcopy(hf.generation_config)
     # an id the model cannot produce: `generate` never stops early (None falls back to the model's own EOS)
     config.update(max_new_tokens=settings.new_tokens, do_sample=False, pad_token_id=0,
                   eos_token_id=[target.model.cfg.vocab_size], temperature=None, top_p=None, top_k=None)
-    data = []
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
-    for lo in tqdm(range(0, len(order), settings.gen_batch), desc="generating answers", unit="batch",
-                   file=sys.stderr):
-        batch = [prompts[i] for i in order[lo:lo + settings.gen_batch]]
-        width = max(map(len, batch))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        out = hf.generate(ids, attention_mask=mask, generation_config=config)
-        data.extend(dict(ids=p + row, prompt_len=len(p)) for p, row in zip(batch, out[:, width:].tolist()))
-    return data
+    answers = _generate(hf, prompts, config, settings.gen_batch, "generating answers")
+    return [dict(ids=p + a, prompt_len=len(p)) for p, a in zip(prompts, answers)]
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -298,7 +356,7 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         data = torch.load(data_path)["data"]
         log(f"data: {len(data)} sequences from {data_path}")
     else:
-        data = generate_data(target, hf, settings, device)
+        data = generate_data(target, hf, settings, log=log)
         _atomic_save(dict(data=data, settings=asdict(settings)), data_path)
         log(f"data: {len(data)} sequences, {sum(len(d['ids']) - d['prompt_len'] for d in data)} answer tokens, "
             f"{time.perf_counter() - t0:.0f} s")
