@@ -114,20 +114,19 @@ def self_written_prompts(target: Target, hf, n: int, settings: TrainSettings) ->
         return []
     tok = target.tokenizer
     stops = set(target.stop_ids) | {tok.eos_token_id} - {None}
-    openers = [OPENERS[i % len(OPENERS)] for i in range(n + n // 4)]  # a quarter more: some are dropped
+    picks = [i % len(OPENERS) for i in range(n + n // 4)]  # a quarter more: some are dropped
     heads = tok([prefix + o for o in OPENERS], add_special_tokens=False).input_ids
     config = copy.deepcopy(hf.generation_config)
     config.update(max_new_tokens=96, do_sample=True, temperature=1.0, top_p=0.95, top_k=None, pad_token_id=0,
                   eos_token_id=sorted(stops))
     torch.manual_seed(settings.seed)
-    rows = _generate(hf, [heads[i % len(OPENERS)] for i in range(len(openers))], config, settings.gen_batch,
-                     "writing prompts")
+    rows = _generate(hf, [heads[k] for k in picks], config, settings.gen_batch, "writing prompts")
     held, seen, out = set(heldout_prompts().values()), set(), []
-    for opener, row in zip(openers, rows):
+    for k, row in zip(picks, rows):
         end = next((k for k, t in enumerate(row) if t in stops), None)
         if end is None:
             continue
-        text = (opener + tok.decode(row[:end], skip_special_tokens=True)).strip()
+        text = (OPENERS[k] + tok.decode(row[:end], skip_special_tokens=True)).strip()
         if len(text.split()) >= 3 and text not in seen and text not in held:
             seen.add(text)
             out.append(text)
