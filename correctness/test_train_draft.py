@@ -17,8 +17,9 @@ from engine.exactness import compare_tokens
 from engine.corpus import OPENERS
 from engine.draft import DFlashDrafter, DraftInput
 from engine.model import Rotary
-from engine.train_draft import (TrainSettings, _hf_target, draft_logits_train, heldout_acceptance, new_draft,
-                                save_dflash, self_written_prompts, train, user_turn_prefix)
+from engine.train_draft import (TrainSettings, _hf_target, block_loss, draft_logits_train, heldout_acceptance,
+                                new_draft, save_dflash, self_written_prompts, target_block_logits, train,
+                                user_turn_prefix)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,6 +58,52 @@ def test_training_pass_equals_the_inference_pass(tiny_checkpoints, name):
             torch.testing.assert_close(trained[0, a], proposed, rtol=1e-4, atol=1e-4)
 
 
+def test_distillation_teacher_is_the_targets_next_token_distribution(tiny_checkpoints):
+    """target_block_logits gives, for block position j after anchor p, the target's own logits for token p+j; the
+    distilled loss is (1 - w) CE + w KL, so it equals the CE share alone when the draft's logits are the teacher's."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    hf = _hf_target(target, torch.device("cpu"), torch.float32)
+    seq = torch.randint(10, target.model.cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(5))
+    anchors = torch.tensor([[3, 17, 25], [0, 8, 26]])
+    with torch.no_grad():
+        out = hf(seq, output_hidden_states=True)
+        final = hf.base_model(seq).last_hidden_state
+    teacher = target_block_logits(final, hf.get_output_embeddings().weight, anchors, block_size=5)
+    assert teacher.shape == (2, 3, 4, target.model.cfg.vocab_size)
+    for n in range(2):
+        for a, p in enumerate(anchors[n].tolist()):
+            for j in range(1, 5):
+                if p + j < 30:
+                    torch.testing.assert_close(teacher[n, a, j - 1], out.logits[n, p + j - 1], rtol=1e-4, atol=1e-4)
+    lengths = torch.tensor([30, 29])
+    ce, _ = block_loss(teacher, seq, anchors, lengths, gamma=7.0, accuracy=False)
+    mixed, _ = block_loss(teacher, seq, anchors, lengths, gamma=7.0, accuracy=False, teacher=teacher, distill=0.3)
+    torch.testing.assert_close(mixed, 0.7 * ce)
+    other = teacher + torch.randn_like(teacher)
+    worse, _ = block_loss(other, seq, anchors, lengths, gamma=7.0, accuracy=False, teacher=teacher, distill=1.0)
+    assert worse > 0.01
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias"])
+def test_init_from_target_copies_its_last_layers(tiny_checkpoints, name):
+    path, _ = tiny_checkpoints[name]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    hf = _hf_target(target, torch.device("cpu"), torch.float32)
+    draft = new_draft(target, TrainSettings(out="", layers=2, init="target"), mask_token_id=7, hf=hf)
+    source = hf.base_model.layers[-2:]
+    for mine, theirs in zip(draft.layers, source):
+        for key in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight",
+                    "input_layernorm.weight"):
+            torch.testing.assert_close(mine.state_dict()[key], theirs.state_dict()[key])
+    torch.testing.assert_close(draft.norm.weight, hf.base_model.norm.weight)
+    H = target.model.cfg.hidden_size
+    feats = torch.randn(3, len(draft.dcfg.target_layer_ids) * H)
+    torch.testing.assert_close(draft.fc(feats), feats[:, -H:])  # the deepest feature layer passes through
+    with pytest.raises(engine.EngineError, match="--init must be random or target"):
+        new_draft(target, TrainSettings(out="", layers=2, init="zeros"), mask_token_id=7, hf=hf)
+
+
 @pytest.mark.slow
 def test_self_written_prompts_are_requests_from_the_target(default_target):
     """The target writes user requests after its user-turn header: seeded, distinct, each beginning with an opener,
@@ -74,11 +121,13 @@ def test_self_written_prompts_are_requests_from_the_target(default_target):
 
 
 @pytest.mark.slow
-def test_train_resume_load_and_decode(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("recipe", [{}, dict(distill=0.5, init="target")], ids=["default", "distill-init"])
+def test_train_resume_load_and_decode(tiny_checkpoints, tmp_path, recipe):
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
     settings = TrainSettings(out=str(tmp_path / "run"), layers=1, block_size=4, prompts=12, new_tokens=12,
-                             gen_batch=6, steps=4, batch=3, anchors=3, warmup=1, save_every=2, eval_tokens=12)
+                             gen_batch=6, steps=4, batch=3, anchors=3, warmup=1, save_every=2, eval_tokens=12,
+                             **recipe)
     logs = []
     draft_dir = train(target, settings, torch.device("cpu"), log=logs.append)
     assert any(line.startswith("data: ") for line in logs)
@@ -122,3 +171,9 @@ def test_train_draft_rejects_bad_settings(tmp_path):
                            "--self-written", "1.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--self-written is a share of the prompts" in proc.stderr
     assert not (tmp_path / "x").exists()
+    for flag, value, message in (("--distill", "-0.5", "--distill is the KL's share"),
+                                 ("--init", "zeros", "--init must be random or target")):
+        proc = subprocess.run([sys.executable, "-m", "engine", "train-draft", "--out", str(tmp_path / "x"), flag,
+                               value], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert not (tmp_path / "x").exists()

@@ -10,8 +10,12 @@
    features (computed on the fly, frozen target); in each sequence, random anchor positions p in the answer;
    the block [token p, mask, ..., mask] at positions p..p+B-1 sees the context features of positions < p and
    itself (non-causal) and predicts tokens p+1..p+B-1 in one pass; cross-entropy against the target's greedy
-   tokens, weighted exp(-(j - 1) / gamma) by block position j. The target's embedding and LM head are borrowed
-   and frozen, as at inference. AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs.
+   tokens, weighted exp(-(j - 1) / gamma) by block position j; optionally (--distill W) a share W of it replaced
+   by the KL divergence to the target's whole next-token distribution at each label (its final hidden state at
+   the position before, through the LM head), which also ranks the runner-up tokens DDTree's tree branches on.
+   The target's embedding and LM head are borrowed and frozen, as at inference. The draft's layers start random,
+   or (--init target) as copies of the target's last layers, with the context projection reading its deepest
+   feature layer: the draft then starts from layers that already map deep hidden states to next tokens. AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs.
 3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
    the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors, or HF-style shards of at
    most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash
@@ -57,6 +61,8 @@ class TrainSettings:
     warmup: int = 100
     gamma: float = 7.0
     self_written: float = 0.0
+    distill: float = 0.0     # weight of the KL to the target's next-token distribution; 1 - distill: CE on its argmax
+    init: str = "random"     # or "target": draft layers start as copies of the target's last layers
     save_every: int = 200
     seed: int = 0
     eval_tokens: int = 128
@@ -164,7 +170,9 @@ def generate_data(target: Target, hf, settings: TrainSettings, log=print) -> lis
 
 # ---------------------------------------------------------------------------------------------------- model
 
-def new_draft(target: Target, settings: TrainSettings, mask_token_id: int) -> DFlashDraftModel:
+def new_draft(target: Target, settings: TrainSettings, mask_token_id: int, hf=None) -> DFlashDraftModel:
+    """A draft for the target: random weights, or with settings.init == "target" the target's last layers (from
+    its HF model `hf`) with the context projection passing the deepest feature layer through."""
     dcfg = draft_config(target.model.cfg, settings.layers, settings.block_size, mask_token_id)
     torch.manual_seed(settings.seed)
     draft = DFlashDraftModel(dcfg)
@@ -173,7 +181,28 @@ def new_draft(target: Target, settings: TrainSettings, mask_token_id: int) -> DF
             torch.nn.init.normal_(p, std=0.02)
         else:
             torch.nn.init.ones_(p)  # norms
+    if settings.init == "target":
+        _copy_target_layers(draft, hf)
+    elif settings.init != "random":
+        raise EngineError(f"--init must be random or target, got {settings.init!r}")
     return draft
+
+
+@torch.no_grad()
+def _copy_target_layers(draft: DFlashDraftModel, hf) -> None:
+    if hf is None:
+        raise EngineError("--init target needs the target's weights")
+    source = hf.base_model.layers[-len(draft.layers):]
+    for mine, theirs in zip(draft.layers, source):
+        # Same names as the target's layers (HF style); what the draft lacks (biases) is dropped, what the target
+        # lacks (Qwen3's q/k norms on a Llama target) keeps its neutral init.
+        state = {k: v for k, v in theirs.state_dict().items() if k in mine.state_dict()}
+        mine.load_state_dict(state, strict=False)
+    draft.norm.weight.copy_(hf.base_model.norm.weight)
+    draft.hidden_norm.weight.copy_(source[0].input_layernorm.weight)
+    H = draft.dcfg.layers.hidden_size
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, -H:] = torch.eye(H)  # the deepest feature layer, the closest to the copied layers' input
 
 
 def pick_mask_token(target: Target) -> int:
@@ -235,8 +264,19 @@ def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w,
     return out @ head_w.t()
 
 
-def block_loss(logits, tokens, anchors, lengths, gamma: float, accuracy: bool = True):
-    """Weighted cross-entropy against tokens p+1..p+B-1 (positions past a sequence's end do not count); also the
+def target_block_logits(final_hidden, head_w, anchors, block_size: int) -> torch.Tensor:
+    """The target's logits for tokens p+1..p+B-1 of each block [N, A, B-1, V]: its final (normed) hidden states at
+    positions p..p+B-2 through the LM head. Positions past the end are clamped (block_loss masks them)."""
+    N, L, H = final_hidden.shape
+    pos = (anchors[..., None] + torch.arange(block_size - 1, device=anchors.device)).clamp(max=L - 1)
+    rows = final_hidden.gather(1, pos.view(N, -1, 1).expand(-1, -1, H)).view(*pos.shape, H)
+    return rows @ head_w.t()
+
+
+def block_loss(logits, tokens, anchors, lengths, gamma: float, accuracy: bool = True, teacher=None,
+               distill: float = 0.0):
+    """Weighted cross-entropy against tokens p+1..p+B-1 (positions past a sequence's end do not count); with
+    `teacher` logits (target_block_logits), a share `distill` of it is the KL(teacher || draft) instead. Also the
     share of block positions whose argmax is right (None unless `accuracy`: it reads all the logits again)."""
     N, A, Bm1, V = logits.shape
     j = torch.arange(1, Bm1 + 1, device=tokens.device)
@@ -244,8 +284,12 @@ def block_loss(logits, tokens, anchors, lengths, gamma: float, accuracy: bool = 
     valid = pos < lengths[:, None, None]
     labels = tokens.gather(1, pos.clamp(max=tokens.shape[1] - 1).view(N, -1)).view(N, A, Bm1)
     weight = torch.exp(-(j - 1).float() / gamma) * valid
-    ce = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), reduction="none").view(N, A, Bm1)
-    loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
+    logp = F.log_softmax(logits.float(), dim=-1)
+    per_position = -logp.gather(-1, labels[..., None])[..., 0]
+    if teacher is not None and distill > 0:
+        kl = F.kl_div(logp, F.log_softmax(teacher.float(), dim=-1), log_target=True, reduction="none").sum(-1)
+        per_position = (1 - distill) * per_position + distill * kl
+    loss = (per_position * weight).sum() / weight.sum().clamp(min=1e-6)
     if not accuracy:
         return loss, None
     with torch.no_grad():
@@ -359,7 +403,7 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         _atomic_save(dict(data=data, settings=asdict(settings)), data_path)
         log(f"data: {len(data)} sequences, {sum(len(d['ids']) - d['prompt_len'] for d in data)} answer tokens, "
             f"{time.perf_counter() - t0:.0f} s")
-    draft = new_draft(target, settings, pick_mask_token(target)).to(device)
+    draft = new_draft(target, settings, pick_mask_token(target), hf).to(device)
     opt = torch.optim.AdamW(draft.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01)
     step = 0
     if resume and ckpt_path.exists():
@@ -382,14 +426,19 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         with torch.no_grad():
             # the base model: no LM head over every position. No padding mask: padding sits at the end, and causal
             # attention keeps it out of every real position's features
-            hidden = hf.base_model(tokens, output_hidden_states=True).hidden_states
-            feats = torch.cat([hidden[i] for i in feature_ids], dim=-1)
+            base = hf.base_model(tokens, output_hidden_states=True)
+            feats = torch.cat([base.hidden_states[i] for i in feature_ids], dim=-1)
         for group in opt.param_groups:
             group["lr"] = _lr(step, settings)
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
             logits = draft_logits_train(draft, rotary, embed_w, head_w, feats, tokens, anchors)
+            teacher = None
+            if settings.distill > 0:
+                with torch.no_grad():
+                    teacher = target_block_logits(base.last_hidden_state, head_w, anchors, settings.block_size)
             report = (step + 1) % 10 == 0 or step + 1 == settings.steps  # .item() waits for the GPU: not every step
-            loss, right = block_loss(logits, tokens, anchors, lengths, settings.gamma, accuracy=report)
+            loss, right = block_loss(logits, tokens, anchors, lengths, settings.gamma, accuracy=report,
+                                     teacher=teacher, distill=settings.distill)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
