@@ -12,10 +12,9 @@
    itself (non-causal) and predicts tokens p+1..p+B-1 in one pass; cross-entropy against the target's greedy
    tokens, weighted exp(-(j - 1) / gamma) by block position j; optionally (--distill W) a share W of it replaced
    by the KL divergence to the target's whole next-token distribution at each label (its final hidden state at
-   the position before, through the LM head), which also ranks the runner-up tokens DDTree's tree branches on.
-   The target's embedding and LM head are borrowed and frozen, as at inference. The draft's layers start random,
-   or (--init target) as copies of the target's last layers, with the context projection reading its deepest
-   feature layer: the draft then starts from layers that already map deep hidden states to next tokens. AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs.
+   the position before, through the LM head): soft targets that also rank the runner-up tokens DDTree branches on.
+   The target's embedding and LM head are borrowed and frozen, as at inference. AdamW with warm-up and cosine
+   decay, a fixed seed, bf16 autocast on GPUs.
 3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
    the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors, or HF-style shards of at
    most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash
@@ -62,7 +61,6 @@ class TrainSettings:
     gamma: float = 7.0
     self_written: float = 0.0
     distill: float = 0.0     # weight of the KL to the target's next-token distribution; 1 - distill: CE on its argmax
-    init: str = "random"     # or "target": draft layers start as copies of the target's last layers
     save_every: int = 200
     seed: int = 0
     eval_tokens: int = 128
@@ -170,9 +168,7 @@ def generate_data(target: Target, hf, settings: TrainSettings, log=print) -> lis
 
 # ---------------------------------------------------------------------------------------------------- model
 
-def new_draft(target: Target, settings: TrainSettings, mask_token_id: int, hf=None) -> DFlashDraftModel:
-    """A draft for the target: random weights, or with settings.init == "target" the target's last layers (from
-    its HF model `hf`) with the context projection passing the deepest feature layer through."""
+def new_draft(target: Target, settings: TrainSettings, mask_token_id: int) -> DFlashDraftModel:
     dcfg = draft_config(target.model.cfg, settings.layers, settings.block_size, mask_token_id)
     torch.manual_seed(settings.seed)
     draft = DFlashDraftModel(dcfg)
@@ -181,28 +177,7 @@ def new_draft(target: Target, settings: TrainSettings, mask_token_id: int, hf=No
             torch.nn.init.normal_(p, std=0.02)
         else:
             torch.nn.init.ones_(p)  # norms
-    if settings.init == "target":
-        _copy_target_layers(draft, hf)
-    elif settings.init != "random":
-        raise EngineError(f"--init must be random or target, got {settings.init!r}")
     return draft
-
-
-@torch.no_grad()
-def _copy_target_layers(draft: DFlashDraftModel, hf) -> None:
-    if hf is None:
-        raise EngineError("--init target needs the target's weights")
-    source = hf.base_model.layers[-len(draft.layers):]
-    for mine, theirs in zip(draft.layers, source):
-        # Same names as the target's layers (HF style); what the draft lacks (biases) is dropped, what the target
-        # lacks (Qwen3's q/k norms on a Llama target) keeps its neutral init.
-        state = {k: v for k, v in theirs.state_dict().items() if k in mine.state_dict()}
-        mine.load_state_dict(state, strict=False)
-    draft.norm.weight.copy_(hf.base_model.norm.weight)
-    draft.hidden_norm.weight.copy_(source[0].input_layernorm.weight)
-    H = draft.dcfg.layers.hidden_size
-    draft.fc.weight.zero_()
-    draft.fc.weight[:, -H:] = torch.eye(H)  # the deepest feature layer, the closest to the copied layers' input
 
 
 def pick_mask_token(target: Target) -> int:
@@ -403,7 +378,7 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         _atomic_save(dict(data=data, settings=asdict(settings)), data_path)
         log(f"data: {len(data)} sequences, {sum(len(d['ids']) - d['prompt_len'] for d in data)} answer tokens, "
             f"{time.perf_counter() - t0:.0f} s")
-    draft = new_draft(target, settings, pick_mask_token(target), hf).to(device)
+    draft = new_draft(target, settings, pick_mask_token(target)).to(device)
     opt = torch.optim.AdamW(draft.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01)
     step = 0
     if resume and ckpt_path.exists():
