@@ -127,7 +127,7 @@ def self_written_prompts(target: Target, hf, n: int, settings: TrainSettings) ->
     rows = _generate(hf, [heads[k] for k in picks], config, settings.gen_batch, "writing prompts")
     held, seen, out = set(heldout_prompts().values()), set(), []
     for k, row in zip(picks, rows):
-        end = next((k for k, t in enumerate(row) if t in stops), None)
+        end = next((i for i, t in enumerate(row) if t in stops), None)
         if end is None:
             continue
         text = (OPENERS[k] + tok.decode(row[:end], skip_special_tokens=True)).strip()
@@ -251,8 +251,9 @@ def target_block_logits(final_hidden, head_w, anchors, block_size: int) -> torch
 def block_loss(logits, tokens, anchors, lengths, gamma: float, accuracy: bool = True, teacher=None,
                distill: float = 0.0):
     """Weighted cross-entropy against tokens p+1..p+B-1 (positions past a sequence's end do not count); with
-    `teacher` logits (target_block_logits), a share `distill` of it is the KL(teacher || draft) instead. Also the
-    share of block positions whose argmax is right (None unless `accuracy`: it reads all the logits again)."""
+    `teacher` logits (target_block_logits, given when distill > 0), a share `distill` of it is the KL(teacher ||
+    draft) instead. Also the share of block positions whose argmax is right (None unless `accuracy`: it reads all
+    the logits again)."""
     N, A, Bm1, V = logits.shape
     j = torch.arange(1, Bm1 + 1, device=tokens.device)
     pos = anchors[..., None] + j                                                       # [N, A, B-1]
@@ -261,7 +262,7 @@ def block_loss(logits, tokens, anchors, lengths, gamma: float, accuracy: bool = 
     weight = torch.exp(-(j - 1).float() / gamma) * valid
     logp = F.log_softmax(logits.float(), dim=-1)
     per_position = -logp.gather(-1, labels[..., None])[..., 0]
-    if teacher is not None and distill > 0:
+    if teacher is not None:
         kl = F.kl_div(logp, F.log_softmax(teacher.float(), dim=-1), log_target=True, reduction="none").sum(-1)
         per_position = (1 - distill) * per_position + distill * kl
     loss = (per_position * weight).sum() / weight.sum().clamp(min=1e-6)
