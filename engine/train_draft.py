@@ -1,7 +1,7 @@
 """`python -m engine train-draft`: train a DFlash draft for a target from the target's own greedy outputs.
 
 1. Data: prompts, then the target's answers. Prompts come from engine/corpus.py's templates (seeded random ids
-   for a target without a tokenizer); optionally a share (--self-written, default 0) the target writes itself:
+   for a target without a tokenizer); a share (--self-written, default 0.5) the target writes itself:
    after its chat template's user-turn header and a seeded opener ("Explain", "How do I", ...), it samples the
    rest of a user request, so the requests range over what the target knows, not over the templates' slots. All are
    answered greedily in the target's chat template with transformers' batched `generate` (left padding), each for
@@ -10,7 +10,7 @@
    features (computed on the fly, frozen target); in each sequence, random anchor positions p in the answer;
    the block [token p, mask, ..., mask] at positions p..p+B-1 sees the context features of positions < p and
    itself (non-causal) and predicts tokens p+1..p+B-1 in one pass; cross-entropy against the target's greedy
-   tokens, weighted exp(-(j - 1) / gamma) by block position j; optionally (--distill W) a share W of it replaced
+   tokens, weighted exp(-(j - 1) / gamma) by block position j; a share W (--distill W, default 0.5) of it replaced
    by the KL divergence to the target's whole next-token distribution at each label (its final hidden state at
    the position before, through the LM head): soft targets that also rank the runner-up tokens DDTree branches on.
    The target's embedding and LM head are borrowed and frozen, as at inference. AdamW with warm-up and cosine
@@ -59,8 +59,8 @@ class TrainSettings:
     lr: float = 6e-4
     warmup: int = 100
     gamma: float = 7.0
-    self_written: float = 0.0
-    distill: float = 0.0     # weight of the KL to the target's next-token distribution; 1 - distill: CE on its argmax
+    self_written: float = 0.5
+    distill: float = 0.5     # weight of the KL to the target's next-token distribution; 1 - distill: CE on its argmax
     save_every: int = 200
     seed: int = 0
     eval_tokens: int = 128
