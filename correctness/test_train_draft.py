@@ -17,9 +17,9 @@ from engine.exactness import compare_tokens
 from engine.corpus import OPENERS
 from engine.draft import DFlashDrafter, DraftInput
 from engine.model import Rotary
-from engine.train_draft import (TrainSettings, _hf_target, block_loss, draft_logits_train, heldout_acceptance,
-                                new_draft, save_dflash, self_written_prompts, target_block_logits, train,
-                                user_turn_prefix)
+from engine.train_draft import (TrainSettings, _hf_target, block_loss, draft_logits_train, greedy_answers,
+                                heldout_acceptance, new_draft, save_dflash, self_written_prompts, target_block_logits,
+                                train, user_turn_prefix)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,6 +83,43 @@ def test_distillation_teacher_is_the_targets_next_token_distribution(tiny_checkp
     other = teacher + torch.randn_like(teacher)
     worse, _ = block_loss(other, seq, anchors, lengths, gamma=7.0, accuracy=False, teacher=teacher, distill=1.0)
     assert worse > 0.01
+
+
+def _answers_equal_ar(target, prompts, answers, new_tokens, tolerance):
+    decoder = engine.Decoder(target.model)
+    for prompt, answer in zip(prompts, answers):
+        ref = decoder.generate(prompt, new_tokens, record_margins=True)
+        verdict = compare_tokens(ref.tokens, ref.margins, answer, tolerance)
+        assert verdict.ok, verdict.describe()
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias"])
+def test_batched_answers_are_what_decoding_each_prompt_alone_gives(tiny_checkpoints, name):
+    """The training data's answers: prompts of several lengths (several batches, one split by the batch limit, rows
+    of a batch in another order than the prompts) continue as the engine's own AR decode of each prompt alone, past
+    end-of-sequence (exactness rule: only near-ties may differ)."""
+    path, _ = tiny_checkpoints[name]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    rng = torch.Generator().manual_seed(5)
+    lengths = [7, 3, 7, 12, 7, 3, 7, 1]
+    prompts = [torch.randint(1, target.model.cfg.vocab_size, (n,), generator=rng).tolist() for n in lengths]
+    answers = greedy_answers(target.model, prompts, 14, batch=3, desc="test")
+    assert [len(a) for a in answers] == [14] * len(prompts)
+    assert len({tuple(a) for a in answers}) > 1  # the rows are not all one row
+    _answers_equal_ar(target, prompts, answers, 14, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batched_answers_from_cuda_graphs_equal_ar_on_the_gpu():
+    """The GPU path replays the one-token step as a CUDA graph per batch: the default model's answers to template
+    prompts of mixed lengths still equal each prompt's own AR decode under the bf16 rule."""
+    from engine.exactness import tolerance_for
+
+    target = engine.load_target("smollm2-135m", "cuda", torch.bfloat16)
+    prompts = [target.encode(p) for p in training_prompts(24, seed=2)]
+    answers = greedy_answers(target.model, prompts, 48, batch=4, desc="test")
+    _answers_equal_ar(target, prompts, answers, 48, tolerance_for(torch.bfloat16))
 
 
 @pytest.mark.slow

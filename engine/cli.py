@@ -269,12 +269,14 @@ def cmd_train_draft(args) -> int:
         raise EngineError(f"--distill is the KL's share of the loss, from 0 to 1; got {settings.distill}")
     if not 0 <= settings.self_written <= 1:
         raise EngineError(f"--self-written is a share of the prompts, from 0 to 1; got {settings.self_written}")
-    device = _device(args.device)  # float32 master weights; bf16 autocast on GPUs
+    device = _device(args.device)
+    # the target in the dtype the engine decodes in, for the answers and the held-out check; the draft trains in
+    # float32 master weights with bf16 autocast on GPUs
+    target = load_target(args.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     t0 = time.perf_counter()
-    draft_dir = train(load_target(args.target, device, torch.float32), settings, device, resume=args.resume)
+    draft_dir = train(target, settings, device, resume=args.resume)
     minutes = (time.perf_counter() - t0) / 60
-    eval_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    taus = heldout_acceptance(load_target(args.target, device, eval_dtype), draft_dir, settings.eval_tokens)
+    taus = heldout_acceptance(target, draft_dir, settings.eval_tokens)
     print(f"held-out acceptance ({settings.eval_tokens} new tokens): "
           + ", ".join(f"{k} tau {v:.2f}" for k, v in taus.items()))
     write_json(f"{args.out}/summary.json", dict(settings=asdict(settings), heldout_tau=taus, minutes=minutes,

@@ -3,8 +3,9 @@
 1. Data: prompts, then the target's answers. Prompts come from engine/corpus.py's templates (seeded random ids
    for a target without a tokenizer); a share (--self-written, default 0.5) the target writes itself:
    after its chat template's user-turn header and a seeded opener ("Explain", "How do I", ...), it samples the
-   rest of a user request, so the requests range over what the target knows, not over the templates' slots. All are
-   answered greedily in the target's chat template with transformers' batched `generate` (left padding), each for
+   rest of a user request, so the requests range over what the target knows, not over the templates' slots
+   (transformers' sampled `generate`). All are answered greedily in the target's chat template by the engine's own
+   model (prompts of one length batched together: no padding; the step replayed as a CUDA graph on GPUs), each for
    the full --new-tokens, past end-of-sequence. Saved once in OUT/data.pt, so a resumed run does not generate again.
 2. Training, as the DFlash paper does: the target's hidden states after `target_layer_ids` are the context
    features (computed on the fly, frozen target); in each sequence, random anchor positions p in the answer;
@@ -42,7 +43,7 @@ from kernels.fused import rmsnorm_reference, rope_reference
 from .draft import DFlashDraftModel, draft_config
 from .errors import EngineError
 from .loading import Target
-from .model import Rotary
+from .model import Rotary, Transformer
 
 
 @dataclass
@@ -93,6 +94,60 @@ def _generate(hf, prompts: list[list[int]], config, batch: int, desc: str) -> li
         out = hf.generate(ids, attention_mask=mask, generation_config=config)
         for i, row in zip(idx, out[:, width:].tolist()):
             rows[i] = row
+    return rows
+
+
+@torch.no_grad()
+def greedy_answers(model: Transformer, prompts: list[list[int]], new_tokens: int, batch: int,
+                   desc: str = "generating answers") -> list[list[int]]:
+    """new_tokens greedy ids after each prompt from the engine's own model, never stopping early. Prompts of one
+    length run together, up to `batch` rows: no padding, so all rows share the cache slots and positions and each
+    row is what decoding its prompt alone gives (up to the batched GEMMs' rounding). On a GPU the one-token step is
+    captured as a CUDA graph per batch and replayed; the host never waits inside a batch."""
+    from tqdm import tqdm
+
+    from kernels import triton_disabled
+
+    dev = model.device
+    use_graphs = dev.type == "cuda" and not triton_disabled()
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    chunks = [idx[lo:lo + batch] for _, idx in sorted(by_length.items()) for lo in range(0, len(idx), batch)]
+    rows: list[list[int]] = [[] for _ in prompts]
+    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    for idx in tqdm(chunks, desc=desc, unit="batch", file=sys.stderr):
+        n, b = len(prompts[idx[0]]), len(idx)
+        cache = model.new_cache(n + new_tokens, batch=b)
+        out = torch.empty(b, new_tokens, dtype=torch.long, device=dev)
+        hidden, _ = model(torch.tensor([prompts[i] for i in idx], device=dev),
+                          torch.arange(n, device=dev).expand(b, n), cache,
+                          torch.ones(n, n, dtype=torch.bool, device=dev).tril())
+        cache.start.fill_(n)
+        token = model.logits(hidden[:, -1]).argmax(-1, keepdim=True)  # [b, 1], the step's static input and output
+
+        def step():
+            h, _ = model(token, cache.start.expand(b, 1), cache, one)
+            cache.start.add_(1)
+            token.copy_(model.logits(h[:, -1]).argmax(-1, keepdim=True))
+
+        graph = None
+        for t in range(new_tokens):
+            out[:, t] = token[:, 0]
+            if t == new_tokens - 1:
+                break
+            if graph is not None:
+                graph.replay()
+                continue
+            step()  # eager; on a GPU also the warm-up before the capture
+            if use_graphs:
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()  # recorded, not run: the next replay is the next step
+        for i, row in zip(idx, out.tolist()):
+            rows[i] = row
+        del graph, cache
     return rows
 
 
@@ -153,16 +208,13 @@ def _prompt_ids(target: Target, hf, settings: TrainSettings, log) -> list[list[i
 
 @torch.no_grad()
 def generate_data(target: Target, hf, settings: TrainSettings, log=print) -> list[dict]:
-    """[{ids: prompt + greedy answer, prompt_len}] with answers from batched greedy generate.
+    """[{ids: prompt + greedy answer, prompt_len}], the answers from the engine's own model in the target's dtype
+    (greedy_answers): what the engine itself decodes at that precision.
 
     Every answer runs the full settings.new_tokens, past end-of-sequence tokens: `bench` and the perf suite decode
     fixed lengths, so the draft must also know what the target writes after it would have stopped (new turns)."""
     prompts = _prompt_ids(target, hf, settings, log)
-    config = copy.deepcopy(hf.generation_config)
-    # an id the model cannot produce: `generate` never stops early (None falls back to the model's own EOS)
-    config.update(max_new_tokens=settings.new_tokens, do_sample=False, pad_token_id=0,
-                  eos_token_id=[target.model.cfg.vocab_size], temperature=None, top_p=None, top_k=None)
-    answers = _generate(hf, prompts, config, settings.gen_batch, "generating answers")
+    answers = greedy_answers(target.model, prompts, settings.new_tokens, settings.gen_batch)
     return [dict(ids=p + a, prompt_len=len(p)) for p, a in zip(prompts, answers)]
 
 
