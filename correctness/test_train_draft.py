@@ -139,7 +139,7 @@ def test_self_written_prompts_are_requests_from_the_target(default_target):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", [{}, dict(distill=0.0, self_written=0.0)], ids=["default", "cross-entropy"])
+@pytest.mark.parametrize("recipe", [{}, dict(distill=0.5, self_written=0.0)], ids=["default", "distill-templates"])
 def test_train_resume_load_and_decode(tiny_checkpoints, tmp_path, recipe):
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)

@@ -11,7 +11,7 @@
    features (computed on the fly, frozen target); in each sequence, random anchor positions p in the answer;
    the block [token p, mask, ..., mask] at positions p..p+B-1 sees the context features of positions < p and
    itself (non-causal) and predicts tokens p+1..p+B-1 in one pass; cross-entropy against the target's greedy
-   tokens, weighted exp(-(j - 1) / gamma) by block position j; a share W (--distill W, default 0.5) of it replaced
+   tokens, weighted exp(-(j - 1) / gamma) by block position j; a share W (--distill W, default 0) of it replaced
    by the KL divergence to the target's whole next-token distribution at each label (its final hidden state at
    the position before, through the LM head): soft targets that also rank the runner-up tokens DDTree branches on.
    The target's embedding and LM head are borrowed and frozen, as at inference. AdamW with warm-up and cosine
@@ -49,19 +49,19 @@ from .model import Rotary, Transformer
 @dataclass
 class TrainSettings:
     out: str
-    layers: int = 4
+    layers: int = 5
     block_size: int = 16
     prompts: int = 40960
     new_tokens: int = 256
     gen_batch: int = 2048
-    steps: int = 5000
+    steps: int = 6000
     batch: int = 32
     anchors: int = 16
     lr: float = 6e-4
     warmup: int = 100
     gamma: float = 7.0
     self_written: float = 0.5
-    distill: float = 0.5     # weight of the KL to the target's next-token distribution; 1 - distill: CE on its argmax
+    distill: float = 0.0     # weight of the KL to the target's next-token distribution; 1 - distill: CE on its argmax
     save_every: int = 200
     seed: int = 0
     eval_tokens: int = 128
