@@ -17,9 +17,9 @@ from engine.exactness import compare_tokens
 from engine.corpus import OPENERS
 from engine.draft import DFlashDrafter, DraftInput
 from engine.model import Rotary
-from engine.train_draft import (TrainSettings, _hf_target, block_loss, draft_logits_train, greedy_answers,
-                                heldout_acceptance, new_draft, save_dflash, self_written_prompts, target_block_logits,
-                                train, user_turn_prefix)
+from engine.train_draft import (TrainSettings, _batch, _hf_target, block_loss, draft_logits_train, greedy_answers,
+                                heldout_acceptance, new_draft, pack, save_dflash, self_written_prompts,
+                                target_block_logits, train, user_turn_prefix)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,6 +56,38 @@ def test_training_pass_equals_the_inference_pass(tiny_checkpoints, name):
             drafter.start(p, 64)
             proposed = drafter.propose(DraftInput(seq.clone(), torch.tensor(p), feats[:, :p], torch.tensor(p)))
             torch.testing.assert_close(trained[0, a], proposed, rtol=1e-4, atol=1e-4)
+
+
+def test_padding_to_the_packed_width_does_not_change_the_loss(tiny_checkpoints):
+    """Training batches are padded to the width of the longest sequence in the data (one shape every step): the
+    same sequences and anchors give the same loss whatever that width."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    hf = _hf_target(target, torch.device("cpu"), torch.float32)
+    settings = TrainSettings(out="", layers=2, block_size=5, seed=3)
+    draft = new_draft(target, settings, mask_token_id=7)
+    for p in draft.parameters():
+        p.data.add_(torch.randn_like(p) * 0.05)
+    rotary = Rotary(target.model.cfg.hf, draft.dcfg.layers.head_dim, "cpu")
+    rng = torch.Generator().manual_seed(5)
+    vocab = target.model.cfg.vocab_size
+    data = [dict(ids=torch.randint(10, vocab, (n,), generator=rng).tolist(), prompt_len=k)
+            for n, k in ((30, 6), (22, 4), (41, 9))]
+    longer = data + [dict(ids=[11] * 90, prompt_len=5)]  # widens the pack to 90
+    losses = []
+    for pool in (data, longer):
+        packed = pack(pool, torch.device("cpu"))
+        tokens, lengths, anchors = _batch(packed, torch.tensor([0, 1, 2]), 4, torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            base = hf.base_model(tokens, output_hidden_states=True)
+            feats = torch.cat([base.hidden_states[i + 1] for i in draft.dcfg.target_layer_ids], dim=-1)
+            logits = draft_logits_train(draft, rotary, hf.get_input_embeddings().weight,
+                                        hf.get_output_embeddings().weight, feats, tokens, anchors)
+            teacher = target_block_logits(base.last_hidden_state, hf.get_output_embeddings().weight, anchors, 5)
+            losses.append(block_loss(logits, tokens, anchors, lengths, 7.0, accuracy=False, teacher=teacher,
+                                     distill=0.5)[0])
+        assert tokens.shape[1] == max(len(d["ids"]) for d in pool)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
 
 
 def test_distillation_teacher_is_the_targets_next_token_distribution(tiny_checkpoints):

@@ -341,7 +341,10 @@ def _batch(packed, idx: torch.Tensor, n_anchors: int, gen: torch.Generator):
     all_tokens, all_lengths, all_prompt_lens = packed
     lengths, lo = all_lengths[idx], all_prompt_lens[idx]
     dev = all_tokens.device
-    tokens = all_tokens[idx.to(dev), :int(lengths.max())]
+    # every batch at the full packed width, not its own longest sequence: one shape for every step. The step is
+    # bound by the host, and a shape that changes each step cost a third of the speed on the H200 (10.0 against
+    # 14.9 steps/s); the padding is masked like any other (block_loss, causal features).
+    tokens = all_tokens[idx.to(dev)]
     # anchors in the answer, with at least one label after them: p in [prompt_len, len - 2]
     span = (lengths - 1 - lo).clamp(min=1)
     anchors = lo[:, None] + (torch.rand(len(idx), n_anchors, generator=gen) * span[:, None]).long()
