@@ -33,6 +33,14 @@ def test_training_prompts_are_distinct_and_never_held_out():
     assert training_prompts(50, seed=1) == prompts[:50]  # seeded
 
 
+def _perturbed_draft(target, seed: int):
+    """A 2-layer, block-5 draft moved past the init's near-zero outputs, so a wrong row or position shows."""
+    draft = new_draft(target, TrainSettings(out="", layers=2, block_size=5, seed=seed), mask_token_id=7)
+    for p in draft.parameters():
+        p.data.add_(torch.randn_like(p) * 0.05)
+    return draft
+
+
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias"])
 def test_training_pass_equals_the_inference_pass(tiny_checkpoints, name):
     """What training optimises is what decoding runs: draft_logits_train's block after an anchor p equals
@@ -40,9 +48,7 @@ def test_training_pass_equals_the_inference_pass(tiny_checkpoints, name):
     path, _ = tiny_checkpoints[name]
     target = engine.load_target(str(path), "cpu", torch.float32)
     hf = _hf_target(target, torch.device("cpu"), torch.float32)
-    draft = new_draft(target, TrainSettings(out="", layers=2, block_size=5, seed=4), mask_token_id=7)
-    for p in draft.parameters():  # past the init's near-zero outputs, so a wrong row or position shows
-        p.data.add_(torch.randn_like(p) * 0.05)
+    draft = _perturbed_draft(target, seed=4)
     seq = torch.randint(10, target.model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         hidden = hf(seq, output_hidden_states=True).hidden_states
@@ -64,10 +70,7 @@ def test_padding_to_the_packed_width_does_not_change_the_loss(tiny_checkpoints):
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
     hf = _hf_target(target, torch.device("cpu"), torch.float32)
-    settings = TrainSettings(out="", layers=2, block_size=5, seed=3)
-    draft = new_draft(target, settings, mask_token_id=7)
-    for p in draft.parameters():
-        p.data.add_(torch.randn_like(p) * 0.05)
+    draft = _perturbed_draft(target, seed=3)
     rotary = Rotary(target.model.cfg.hf, draft.dcfg.layers.head_dim, "cpu")
     rng = torch.Generator().manual_seed(5)
     vocab = target.model.cfg.vocab_size

@@ -147,7 +147,7 @@ def greedy_answers(model: Transformer, prompts: list[list[int]], new_tokens: int
                     step()  # recorded, not run: the next replay is the next step
         for i, row in zip(idx, out.tolist()):
             rows[i] = row
-        del graph, cache
+        graph = cache = None  # free this batch's graph pool and cache before the next batch allocates its own
     return rows
 
 
