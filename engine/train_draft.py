@@ -54,9 +54,9 @@ class TrainSettings:
     prompts: int = 40960
     new_tokens: int = 256
     gen_batch: int = 2048
-    steps: int = 6000
+    steps: int = 10000
     batch: int = 32
-    anchors: int = 16
+    anchors: int = 32
     lr: float = 6e-4
     warmup: int = 100
     gamma: float = 7.0
