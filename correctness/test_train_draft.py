@@ -157,6 +157,33 @@ def test_batched_answers_from_cuda_graphs_equal_ar_on_the_gpu():
     _answers_equal_ar(target, prompts, answers, 48, tolerance_for(torch.bfloat16))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_steps_replayed_as_a_cuda_graph_equal_eager_steps(tiny_checkpoints, tmp_path):
+    """On a GPU each step's forward and backward replay as one CUDA graph, whose inputs each step overwrites: the
+    same data and batches give the same draft as eager steps (a graph replaying stale inputs or gradients would
+    not), and the capture does not fall back to eager."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cuda", torch.bfloat16)
+    init = new_draft(target, TrainSettings(out="", layers=1, block_size=4), 0).state_dict()
+    weights = {}
+    for graphed in (True, False):
+        out = tmp_path / f"graphed-{graphed}"
+        if not graphed:  # the same data
+            out.mkdir()
+            (out / "data.pt").write_bytes((tmp_path / "graphed-True" / "data.pt").read_bytes())
+        settings = TrainSettings(out=str(out), layers=1, block_size=4, prompts=12, new_tokens=12, gen_batch=6,
+                                 steps=6, batch=3, anchors=3, warmup=1, lr=1e-2, save_every=6)
+        logs = []
+        train(target, settings, torch.device("cuda"), log=logs.append, cuda_graph=graphed)
+        assert not any("without a CUDA graph" in line for line in logs)
+        weights[graphed] = torch.load(out / "checkpoint.pt")["draft"]
+    for name, start in init.items():
+        moved = (weights[False][name].cpu() - start).abs().mean()
+        apart = (weights[True][name] - weights[False][name]).abs().mean().cpu()
+        assert moved > 0 and apart < 0.05 * moved, name
+
+
 @pytest.mark.slow
 def test_self_written_prompts_are_requests_from_the_target(default_target):
     """The target writes user requests after its user-turn header: seeded, distinct, each beginning with an opener,
