@@ -73,3 +73,23 @@ def test_bench_writes_table_and_results(tmp_path, capsys):
     assert result["environment"]["torch"]
     ar = next(r for r in result["summary"] if r["method"] == "ar")
     assert ar["speedup_vs_ar"] == pytest.approx(1.0) and ar["tau"] == 1.0
+
+
+def test_bench_workloads_include_the_held_out_set():
+    """`--workloads heldout` is the whole held-out set (section 7's workloads, then workloads.HELDOUT), in order
+    and once each; any of its names works alone; an unknown name is one error that lists the choices."""
+    from engine.bench import parse_workloads
+    from engine.errors import EngineError
+    from engine.workloads import HELDOUT, PROMPTS, heldout_prompts, prompt_ids
+
+    assert parse_workloads("heldout") == list(PROMPTS) + list(HELDOUT) == list(heldout_prompts())
+    assert parse_workloads("haiku,fib,heldout")[:3] == ["haiku", "fib", "qsort"]
+    assert len(parse_workloads("haiku,fib,heldout")) == len(heldout_prompts())
+    with pytest.raises(EngineError, match="unknown workload 'sonnet'.*haiku, or heldout"):
+        parse_workloads("fib,sonnet")
+
+    class Bare:  # a target without a tokenizer: seeded random ids per workload name
+        tokenizer = None
+        model = type("M", (), {"cfg": type("C", (), {"vocab_size": 100})})
+
+    assert prompt_ids(Bare, "haiku") == prompt_ids(Bare, "haiku") != prompt_ids(Bare, "fib")

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import engine
-from engine.corpus import heldout_prompts, training_prompts
+from engine.corpus import OPENERS, training_prompts
 from engine.exactness import compare_tokens
-from engine.corpus import OPENERS
 from engine.draft import DFlashDrafter, DraftInput
 from engine.model import Rotary
 from engine.train_draft import (TrainSettings, _batch, _hf_target, block_loss, draft_logits_train, greedy_answers,
                                 heldout_acceptance, new_draft, pack, save_dflash, self_written_prompts,
                                 target_block_logits, train, user_turn_prefix)
+from engine.workloads import heldout_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 

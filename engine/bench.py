@@ -16,7 +16,7 @@ from .errors import EngineError
 from .exactness import compare_tokens, tolerance_for
 from .loading import Target
 from .oracle import OracleDrafter
-from .workloads import CPU_LENGTHS, LENGTHS, PROMPTS, prompt_ids
+from .workloads import CPU_LENGTHS, LENGTHS, heldout_prompts, prompt_ids
 
 DEFAULT_METHODS = ("ar", "dflash", "ddtree-15", "ddtree-16", "ddtree-32", "ddtree-64")
 
@@ -144,10 +144,18 @@ def default_lengths(device: torch.device) -> dict[str, int]:
 
 
 def parse_workloads(text: str) -> list[str]:
-    names = [w for w in text.split(",") if w]
-    unknown = [w for w in names if w not in PROMPTS]
+    """Comma-separated workload names: section 7's, the held-out prompts' (workloads.HELDOUT), or `heldout` for
+    the whole held-out set."""
+    known = heldout_prompts()
+    names = []
+    for w in text.split(","):
+        for name in (known if w == "heldout" else [w] if w else []):
+            if name not in names:
+                names.append(name)
+    unknown = [w for w in names if w not in known]
     if unknown or not names:
-        raise EngineError(f"unknown workload {unknown[0] if unknown else text!r} (choose from {', '.join(PROMPTS)})")
+        raise EngineError(f"unknown workload {unknown[0] if unknown else text!r} (choose from {', '.join(known)}, "
+                          f"or heldout for all of them)")
     return names
 
 

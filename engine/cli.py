@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(b)
     b.add_argument("--methods", default="ar,dflash,ddtree-15,ddtree-16,ddtree-32,ddtree-64",
                    help="comma-separated: ar, dflash, ddtree-<budget>")
-    b.add_argument("--workloads", default="fib,qsort,arith,json")
+    b.add_argument("--workloads", default="fib,qsort,arith,json",
+                   help="comma-separated: fib, qsort, arith, json (DESIGN.md section 7), the held-out prompts' "
+                        "names (engine/workloads.py HELDOUT), or heldout: the whole held-out set")
     b.add_argument("--lengths", default="short,long", help="short, long, or NAME=TOKENS entries")
     b.add_argument("--repeats", type=int, default=1, help="timed runs per combination (median reported)")
     b.add_argument("--warmup", type=int, default=None,

@@ -1,16 +1,17 @@
 """Offline prompts for training drafts, generated from templates with a seeded RNG (nothing is downloaded):
 explanations, how-tos, code, arithmetic and algebra, JSON and other formats, stories, poems, summaries, emails,
-lists, comparisons, arguments for and against, rewriting, definitions and chat; the openers from which the target
-writes requests itself (engine/train_draft.py); plus a held-out evaluation set that training never sees.
+lists, comparisons, arguments for and against, rewriting, definitions and chat; and the openers from which the
+target writes requests itself (engine/train_draft.py).
 
-The held-out set is the DESIGN.md section 7 workloads (engine.workloads.PROMPTS) and HELDOUT below. Training uses
-other subjects, tasks and phrasings, and `training_prompts` drops any prompt equal to a held-out one.
+The held-out set that training never sees is engine.workloads.heldout_prompts() (the DESIGN.md section 7
+workloads and workloads.HELDOUT): training uses other subjects, tasks and phrasings, and `training_prompts` drops
+any prompt equal to a held-out one.
 """
 from __future__ import annotations
 
 import random
 
-from .workloads import PROMPTS
+from .workloads import heldout_prompts
 
 SUBJECTS = [
     "photosynthesis", "the water cycle", "binary search", "hash tables", "the French revolution", "compound interest",
@@ -128,21 +129,6 @@ CHAT = ["Hi! How are you today?", "Can you recommend a good book to read this we
         "Tell me a joke about programmers.", "What is the difference between weather and climate?",
         "I can't sleep. What should I do?", "What are you able to help me with?", "Tell me something interesting.",
         "I just got a new puppy! Any advice?", "Can you suggest a weekend activity for a rainy day?"]
-
-# Held out from training: the section 7 workloads plus these (other tasks, other phrasings).
-HELDOUT = [
-    "Write a Python function that checks whether two strings are anagrams.",
-    "Write a C function that reverses a linked list in place.",
-    "Explain how a hash map handles collisions, briefly.",
-    "Tom has 23 marbles. He gives 7 to Sara and then buys twice as many as he has left. How many marbles does "
-    "he have now? Solve it step by step.",
-    'Emit only a JSON object that follows this schema: {"city": string, "country": string, "population": '
-    'integer, "landmarks": [string]}. Describe a fictional city.',
-    "Summarize the plot of a story about a robot who learns to paint, in three sentences.",
-    "What are the pros and cons of working from home?",
-    "Write a haiku about autumn leaves.",
-]
-
 
 def _explain(rng: random.Random) -> str:
     s = rng.choice(SUBJECTS)
@@ -305,10 +291,6 @@ OPENERS = ("Write", "Explain", "How do I", "What is", "Can you", "Give me", "Sum
            "Describe", "Compare", "I need", "Tell me", "What are", "Help me", "Solve", "Translate", "Rewrite",
            "Generate", "Is it", "Should I", "Design", "Implement", "Calculate", "Plan", "Suggest", "Classify",
            "Fix", "Convert", "Draft", "Outline", "Imagine", "Find", "Please", "")
-
-
-def heldout_prompts() -> dict[str, str]:
-    return {**PROMPTS, **{f"heldout-{i}": p for i, p in enumerate(HELDOUT)}}
 
 
 def training_prompts(n: int, seed: int = 0) -> list[str]:

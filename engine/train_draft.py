@@ -19,7 +19,7 @@
 3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
    the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors, or HF-style shards of at
    most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash
-   and DDTree on engine.corpus.heldout_prompts().
+   and DDTree on engine.workloads.heldout_prompts().
 """
 from __future__ import annotations
 
@@ -166,7 +166,8 @@ def self_written_prompts(target: Target, hf, n: int, settings: TrainSettings) ->
     """Up to n distinct user requests written by the target: a seeded opener after the user-turn header, then
     sampled (temperature 1, top-p 0.95, seeded) until the end of the turn. Unfinished requests (no end of turn
     within 96 tokens), requests under three words and held-out prompts are dropped."""
-    from .corpus import OPENERS, heldout_prompts
+    from .corpus import OPENERS
+    from .workloads import heldout_prompts
 
     prefix = user_turn_prefix(target)
     if prefix is None or n == 0:
@@ -541,7 +542,7 @@ def heldout_acceptance(target: Target, draft_dir: Path, new_tokens: int, methods
                        ) -> dict[str, float]:
     """tau per method over the held-out prompts (every output checked against AR)."""
     from .bench import Method
-    from .corpus import heldout_prompts
+    from .workloads import heldout_prompts
     from .decode import Decoder
     from .exactness import compare_tokens, tolerance_for
     from .loading import load_drafter

@@ -85,9 +85,9 @@ def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: fl
             if not r.get("lossless", False):
                 continue  # never raise a floor from output that was not right
             key = floor_key(*(r[f] for f in KEY_FIELDS))
-            gpu = r["device"] != "cpu"
-            floors[key] = dict(zip(KEY_FIELDS, key), tok_s=_round_down(r["tok_s_median"] * margin, 2) if gpu else None,
-                               tau=_round_down(r["tau"] * tau_margin, 3))
+            timed = r["device"] != "cpu" and r.get("tok_s_median") is not None  # the held-out record has no tok/s
+            tok_s = _round_down(r["tok_s_median"] * margin, 2) if timed else None
+            floors[key] = dict(zip(KEY_FIELDS, key), tok_s=tok_s, tau=_round_down(r["tau"] * tau_margin, 3))
             written += 1
     from engine.results import write_json
 

@@ -11,7 +11,7 @@ from engine import Decoder, load_drafter, load_target
 from engine.bench import Method, measure, synthetic_drafter
 from engine.exactness import tolerance_for
 from engine.results import environment, gpu_telemetry, write_json
-from engine.workloads import prompt_ids
+from engine.workloads import HELDOUT_TOKENS, heldout_prompts, prompt_ids
 
 SYNTHETIC_MISS_RATE = 0.25
 CPU_LENGTHS = {"short": 32}
@@ -63,12 +63,34 @@ class Harness:
 
     def measure(self, pair: str, workload: str, length: str, method: str) -> dict:
         key = (pair, workload, length, method)
-        if key in self._measured:
-            return self._measured[key]
+        if key not in self._measured:
+            record = self._run(pair, workload, self.lengths[length], method)
+            record["length"] = length
+            self._record(key, record)
+        return self._measured[key]
+
+    def measure_heldout(self, pair: str, method: str) -> dict:
+        """One record for the held-out set (workloads.heldout_prompts(), HELDOUT_TOKENS new tokens each, as
+        train-draft's summary): tau over all its rounds, lossless everywhere, tau and tok/s per prompt."""
+        key = (pair, "heldout", str(HELDOUT_TOKENS), method)
+        if key not in self._measured:
+            runs = {w: self._run(pair, w, HELDOUT_TOKENS, method) for w in heldout_prompts()}
+            first = next(iter(runs.values()))
+            self._record(key, dict(
+                {k: first[k] for k in ("device", "tp", "pair", "method", "acceptance", "telemetry")},
+                workload="heldout", length=str(HELDOUT_TOKENS), new_tokens=HELDOUT_TOKENS,
+                tau=sum(sum(r["acceptance_lengths"]) for r in runs.values()) / sum(r["rounds"] for r in runs.values()),
+                lossless=all(r["lossless"] for r in runs.values()),
+                exactness={w: r["exactness"] for w, r in runs.items() if not r["lossless"]},
+                tok_s_median=None,  # no tok/s floor here: the section 7 records gate speed
+                per_prompt={w: dict(tau=r["tau"], tok_s_median=r["tok_s_median"]) for w, r in runs.items()}))
+        return self._measured[key]
+
+    def _run(self, pair: str, workload: str, new_tokens: int, method: str) -> dict:
         target_spec, _, miss_rate = self.pairs[pair]
         target = self._target(target_spec)
-        ids, new_tokens = prompt_ids(target, workload), self.lengths[length]
-        ref_key = (target_spec, workload, length)
+        ids = prompt_ids(target, workload)
+        ref_key = (target_spec, workload, new_tokens)
         if ref_key not in self._references:
             self._references[ref_key] = Decoder(target.model).generate(ids, new_tokens, record_margins=True)
         reference = self._references[ref_key]
@@ -80,13 +102,15 @@ class Harness:
             self._decoders[(pair, method)] = Decoder(target.model, drafter, m.settings)
         record = measure(self._decoders[(pair, method)], ids, new_tokens, (), reference, self.repeats, self.warmup,
                          tolerance_for(self.dtype))
-        record.update(device=self.device_name, tp=1, pair=pair, workload=workload, length=length, method=method,
+        record.update(device=self.device_name, tp=1, pair=pair, workload=workload, method=method,
                       acceptance="synthetic" if miss_rate is not None and drafter is not None else "real",
                       telemetry=gpu_telemetry() if self.on_gpu else None)
+        return record
+
+    def _record(self, key, record: dict) -> None:
         self._measured[key] = record
         self.records.append(record)
         self.write_results()  # after every record: a run cut short (timeout, crash) still leaves its results
-        return record
 
     def measure_tp(self, pair: str, tp: int, workload: str, length: str, method: str, methods, workloads) -> dict:
         """A record at tensor-parallel width tp > 1: one `torchrun -m engine bench --tp` per (pair, width) measures

@@ -1,4 +1,5 @@
-"""Acceptance-length and tokens/s floors per tensor-parallel width, model pair, workload and method.
+"""Acceptance-length and tokens/s floors per tensor-parallel width, model pair, workload and method, and the
+acceptance floor on the held-out set that draft training never sees.
 
 `pytest perf -m tp1` on a GPU runner asserts both floors; on a CPU the acceptance floors are asserted (greedy
 decoding is deterministic) and tok/s floors skip with a reason. Floors live in perf/floors.json; record them
@@ -10,10 +11,12 @@ from __future__ import annotations
 import pytest
 
 from perf.floors import floor_key
+from engine.workloads import HELDOUT_TOKENS
 from perf.harness import pair_specs
 
 WORKLOADS = ("fib", "qsort", "arith", "json")
 METHODS = ("ar", "dflash", "ddtree-15", "ddtree-16", "ddtree-32", "ddtree-64")
+HELDOUT_METHODS = ("dflash", "ddtree-15", "ddtree-32")  # those train-draft's summary reports
 BENCHMARK_INFO = ("tok_s_median", "tok_s_min", "tok_s_max", "tau", "stage_ms", "ttft_ms", "new_tokens", "lossless",
                   "acceptance", "device", "telemetry")
 WIDTHS = [pytest.param(w, marks=getattr(pytest.mark, f"tp{w}"), id=f"tp{w}") for w in (1, 2, 4, 8)]
@@ -90,3 +93,18 @@ def test_throughput_floor(harness, floors, pytestconfig, benchmark, pair, tp, wo
         assert r["tok_s_median"] >= floor, (
             f"{r['tok_s_median']:.1f} tok/s (min {r['tok_s_min']:.1f}, max {r['tok_s_max']:.1f}) below floor {floor} "
             f"for {key}; stage ms {r['stage_ms']}; telemetry {r['telemetry']}")
+
+
+@pytest.mark.parametrize("method", HELDOUT_METHODS)
+@pytest.mark.parametrize("tp", WIDTHS[:1])
+def test_heldout_acceptance_floor(harness, floors, pytestconfig, pair, tp, method):
+    """tau over all rounds of the held-out set (engine.workloads.heldout_prompts(), HELDOUT_TOKENS new tokens each,
+    every output checked against AR): the measure of a trained draft that `train-draft` reports in summary.json."""
+    if harness.pairs[pair][2] is not None:
+        pytest.skip("synthetic acceptance: an oracle's tau says nothing about the draft on held-out prompts")
+    r = harness.measure_heldout(pair, method)
+    assert r["lossless"], f"{pair}/heldout/{method} diverged from AR: {r['exactness']}"
+    key = floor_key(harness.device_name, tp, pair, "heldout", str(HELDOUT_TOKENS), method)
+    floor = _floor(floors, pytestconfig, key, "tau")
+    assert r["tau"] >= floor, (f"held-out tau {r['tau']:.3f} below floor {floor} for {key}; per prompt "
+                               f"{ {w: round(p['tau'], 2) for w, p in r['per_prompt'].items()} }")

@@ -47,9 +47,13 @@ def results(tmp_path, records):
 def test_record_writes_margins_and_keeps_other_floors(tmp_path):
     floors_path = write(tmp_path, {"version": 1, "floors": [ENTRY]})
     res = results(tmp_path, [dict(device="NVIDIA H200", method="ar"), dict(device="cpu", method="dflash"),
-                             dict(device="cpu", method="ddtree-32", lossless=False)])
-    assert record([res], floors_path, margin=0.9, tau_margin=0.5) == 2
+                             dict(device="cpu", method="ddtree-32", lossless=False),
+                             dict(device="NVIDIA H200", workload="heldout", length="128", method="dflash",
+                                  tok_s_median=None)])
+    assert record([res], floors_path, margin=0.9, tau_margin=0.5) == 3
     floors = load(floors_path)
+    heldout = floors[floor_key("NVIDIA H200", 1, "p", "heldout", "128", "dflash")]
+    assert heldout["tok_s"] is None and heldout["tau"] == 1.5  # the held-out record gates acceptance only
     gpu = floors[floor_key("NVIDIA H200", 1, "p", "fib", "short", "ar")]
     cpu = floors[floor_key("cpu", 1, "p", "fib", "short", "dflash")]
     assert gpu["tok_s"] == 90.0 and gpu["tau"] == 1.5
