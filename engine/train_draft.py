@@ -15,7 +15,7 @@
    by the KL divergence to the target's whole next-token distribution at each label (its final hidden state at
    the position before, through the LM head): soft targets that also rank the runner-up tokens DDTree branches on.
    The target's embedding and LM head are borrowed and frozen, as at inference. AdamW with warm-up and cosine
-   decay, a fixed seed, bf16 autocast on GPUs.
+   decay, a fixed seed, bf16 autocast on GPUs, where each step's forward and backward replay as one CUDA graph.
 3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
    the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors, or HF-style shards of at
    most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash
