@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from perf.floors import floor_key
 from engine.workloads import HELDOUT_TOKENS
+from perf.floors import floor_key
 from perf.harness import pair_specs
 
 WORKLOADS = ("fib", "qsort", "arith", "json")
