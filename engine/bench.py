@@ -109,6 +109,11 @@ def run_matrix(target: Target, drafter, methods: list[Method], workloads: list[s
     return records
 
 
+def pooled_tau(records: list[dict]) -> float:
+    """Accepted tokens over rounds across the records: tau weighted by tokens, not a mean of the records' taus."""
+    return sum(sum(r["acceptance_lengths"]) for r in records) / max(1, sum(r["rounds"] for r in records))
+
+
 def summarize(records: list[dict], methods: list[Method], roofline_tok_s: float | None = None) -> list[dict]:
     """Per method: median tok/s over the matrix, token-weighted tau, speed-up over AR, percent of the AR
     bandwidth roofline (GPU), lossless everywhere."""
@@ -116,7 +121,7 @@ def summarize(records: list[dict], methods: list[Method], roofline_tok_s: float 
     for m in methods:
         mine = [r for r in records if r["method"] == m.name]
         rows.append(dict(method=m.name, tok_s=statistics.median(r["tok_s_median"] for r in mine),
-                         tau=sum(sum(r["acceptance_lengths"]) for r in mine) / max(1, sum(r["rounds"] for r in mine)),
+                         tau=pooled_tau(mine),
                          lossless=all(r["lossless"] is not False for r in mine),
                          stage_ms={k: statistics.median(r["stage_ms"].get(k, 0.0) for r in mine)
                                    for k in ("draft", "tree", "verify", "commit") if any(k in r["stage_ms"] for r in mine)}))
@@ -148,8 +153,8 @@ def parse_workloads(text: str) -> list[str]:
     the whole held-out set."""
     known = heldout_prompts()
     names = []
-    for w in text.split(","):
-        for name in (known if w == "heldout" else [w] if w else []):
+    for w in filter(None, text.split(",")):
+        for name in (known if w == "heldout" else [w]):
             if name not in names:
                 names.append(name)
     unknown = [w for w in names if w not in known]

@@ -540,28 +540,16 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
 
 def heldout_acceptance(target: Target, draft_dir: Path, new_tokens: int, methods=("dflash", "ddtree-15", "ddtree-32")
                        ) -> dict[str, float]:
-    """tau per method over the held-out prompts (every output checked against AR)."""
-    from .bench import Method
-    from .workloads import heldout_prompts
-    from .decode import Decoder
-    from .exactness import compare_tokens, tolerance_for
+    """tau per method over the held-out set (engine.workloads.heldout_prompts(); `bench --workloads heldout`),
+    every output checked against AR."""
+    from .bench import Method, pooled_tau, run_matrix
     from .loading import load_drafter
+    from .workloads import heldout_prompts
 
-    drafter = load_drafter(str(draft_dir), target)
-    prompts = [target.encode(p) for p in heldout_prompts().values()] if target.tokenizer is not None else \
-        [[random.Random(i).randrange(target.model.cfg.vocab_size) for _ in range(16)] for i in range(4)]
-    refs = [Decoder(target.model).generate(p, new_tokens, record_margins=True) for p in prompts]
-    tolerance = tolerance_for(target.model.dtype)
-    taus = {}
-    for name in methods:
-        m = Method.parse(name, topk_cap=8)
-        decoder = Decoder(target.model, drafter, m.settings)
-        accepted = rounds = 0
-        for p, ref in zip(prompts, refs):
-            r = decoder.generate(p, new_tokens)
-            verdict = compare_tokens(ref.tokens, ref.margins, r.tokens, tolerance)
-            if not verdict.ok:
-                raise EngineError(f"held-out check: {name} diverged from AR: {verdict.describe()}")
-            accepted, rounds = accepted + sum(r.acceptance_lengths), rounds + r.rounds
-        taus[name] = accepted / max(1, rounds)
-    return taus
+    records = run_matrix(target, load_drafter(str(draft_dir), target), [Method.parse(m, topk_cap=8) for m in methods],
+                         list(heldout_prompts()), {"heldout": new_tokens}, warmup=0, progress=False)
+    diverged = next((r for r in records if not r["lossless"]), None)
+    if diverged is not None:
+        raise EngineError(f"held-out check: {diverged['method']} diverged from AR on {diverged['workload']}: "
+                          f"{diverged['exactness']}")
+    return {m: pooled_tau([r for r in records if r["method"] == m]) for m in methods}

@@ -8,7 +8,7 @@ import os
 import torch
 
 from engine import Decoder, load_drafter, load_target
-from engine.bench import Method, measure, synthetic_drafter
+from engine.bench import Method, measure, pooled_tau, synthetic_drafter
 from engine.exactness import tolerance_for
 from engine.results import environment, gpu_telemetry, write_json
 from engine.workloads import HELDOUT_TOKENS, heldout_prompts, prompt_ids
@@ -79,7 +79,7 @@ class Harness:
             self._record(key, dict(
                 {k: first[k] for k in ("device", "tp", "pair", "method", "acceptance", "telemetry")},
                 workload="heldout", length=str(HELDOUT_TOKENS), new_tokens=HELDOUT_TOKENS,
-                tau=sum(sum(r["acceptance_lengths"]) for r in runs.values()) / sum(r["rounds"] for r in runs.values()),
+                tau=pooled_tau(list(runs.values())),
                 lossless=all(r["lossless"] for r in runs.values()),
                 exactness={w: r["exactness"] for w, r in runs.items() if not r["lossless"]},
                 tok_s_median=None,  # no tok/s floor here: the section 7 records gate speed
