@@ -16,8 +16,8 @@ from engine.corpus import OPENERS, training_prompts
 from engine.exactness import compare_tokens
 from engine.draft import DFlashDrafter, DraftInput
 from engine.model import Rotary
-from engine.train_draft import (TrainSettings, _batch, _hf_target, block_loss, draft_logits_train, greedy_answers,
-                                heldout_acceptance, new_draft, pack, save_dflash, self_written_prompts,
+from engine.train_draft import (TrainSettings, _batch, _hf_target, block_loss, draft_logits_train, graphed_step,
+                                greedy_answers, heldout_acceptance, new_draft, pack, save_dflash, self_written_prompts,
                                 target_block_logits, train, user_turn_prefix)
 from engine.workloads import heldout_prompts
 
@@ -159,10 +159,43 @@ def test_batched_answers_from_cuda_graphs_equal_ar_on_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_training_steps_replayed_as_a_cuda_graph_equal_eager_steps(tiny_checkpoints, tmp_path):
-    """On a GPU each step's forward and backward replay as one CUDA graph, whose inputs each step overwrites: the
-    same data and batches give the same draft as eager steps (a graph replaying stale inputs or gradients would
-    not), and the capture does not fall back to eager."""
+def test_graphed_step_replays_each_new_batch_on_the_current_weights():
+    """graphed_step's replay computes what an eager step computes on the batch given and the weights as they are
+    now (the optimizer updates them in place between replays), and leaves that step's gradients, not a sum with the
+    warm-up's or the last step's. float32 and a plain MLP, so both agree to rounding: stale inputs, stale weights
+    or accumulated gradients show."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).cuda()
+    params = list(model.parameters())
+
+    def fn(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    batches = [(torch.randn(16, 32, device="cuda"), torch.randn(16, 8, device="cuda")) for _ in range(4)]
+    step = graphed_step(fn, params, batches[0])
+    for x, y in batches[1:]:
+        loss = step(x, y).clone()
+        graphed = [p.grad for p in params]  # the graph's own gradient tensors, which each replay overwrites
+        for p in params:
+            p.grad = None
+        torch.testing.assert_close(loss, fn(x, y), rtol=1e-5, atol=1e-6)
+        for mine, p in zip(graphed, params):
+            torch.testing.assert_close(mine, p.grad, rtol=1e-4, atol=1e-6)
+            p.grad = mine
+        with torch.no_grad():  # an optimizer step, in place
+            for p in params:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoints, tmp_path):
+    """train() captures its step without falling back to eager, and on the same data and batches ends near the
+    eager run's draft. Only near: in bfloat16 autocast, Adam turns rounding differences in small gradients into
+    whole steps (on the H200, 6 steps at lr 1e-2 left the first norm weight 0.0013 apart for 0.0234 moved).
+    graphed_step's own test checks the replay exactly."""
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cuda", torch.bfloat16)
     init = new_draft(target, TrainSettings(out="", layers=1, block_size=4), 0).state_dict()
@@ -178,10 +211,9 @@ def test_training_steps_replayed_as_a_cuda_graph_equal_eager_steps(tiny_checkpoi
         train(target, settings, torch.device("cuda"), log=logs.append, cuda_graph=graphed)
         assert not any("without a CUDA graph" in line for line in logs)
         weights[graphed] = torch.load(out / "checkpoint.pt")["draft"]
-    for name, start in init.items():
-        moved = (weights[False][name].cpu() - start).abs().mean()
-        apart = (weights[True][name] - weights[False][name]).abs().mean().cpu()
-        assert moved > 0 and apart < 0.05 * moved, name
+    moved = sum((weights[False][n].cpu() - start).abs().sum() for n, start in init.items())
+    apart = sum((weights[True][n] - weights[False][n]).abs().sum().cpu() for n in init)
+    assert moved > 0 and apart < 0.25 * moved
 
 
 @pytest.mark.slow
