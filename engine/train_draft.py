@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.cross_entropy import cross_entropy
 from kernels.fused import rmsnorm_reference, rope_reference
 
 from .draft import DFlashDraftModel, draft_config
@@ -305,24 +306,25 @@ def block_loss(logits, tokens, anchors, lengths, gamma: float, accuracy: bool = 
                distill: float = 0.0):
     """Weighted cross-entropy against tokens p+1..p+B-1 (positions past a sequence's end do not count); with
     `teacher` logits (target_block_logits, given when distill > 0), a share `distill` of it is the KL(teacher ||
-    draft) instead. Also the share of block positions whose argmax is right (None unless `accuracy`: it reads all
-    the logits again)."""
+    draft) instead. Also the share of block positions whose argmax is right (None unless `accuracy`)."""
     N, A, Bm1, V = logits.shape
     j = torch.arange(1, Bm1 + 1, device=tokens.device)
     pos = anchors[..., None] + j                                                       # [N, A, B-1]
     valid = pos < lengths[:, None, None]
     labels = tokens.gather(1, pos.clamp(max=tokens.shape[1] - 1).view(N, -1)).view(N, A, Bm1)
     weight = torch.exp(-(j - 1).float() / gamma) * valid
-    logp = F.log_softmax(logits.float(), dim=-1)
-    per_position = -logp.gather(-1, labels[..., None])[..., 0]
-    if teacher is not None:
+    if teacher is None:  # one kernel pass on a GPU, no float32 copies of the logits (kernels.cross_entropy)
+        per_position, argmax = cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
+        per_position, argmax = per_position.view(N, A, Bm1), argmax.view(N, A, Bm1)
+    else:
+        logp = F.log_softmax(logits.float(), dim=-1)
         kl = F.kl_div(logp, F.log_softmax(teacher.float(), dim=-1), log_target=True, reduction="none").sum(-1)
-        per_position = (1 - distill) * per_position + distill * kl
+        per_position = (1 - distill) * -logp.gather(-1, labels[..., None])[..., 0] + distill * kl
+        argmax = logits.detach().argmax(-1) if accuracy else None
     loss = (per_position * weight).sum() / weight.sum().clamp(min=1e-6)
     if not accuracy:
         return loss, None
-    with torch.no_grad():
-        right = ((logits.argmax(-1) == labels) & valid).sum() / valid.sum().clamp(min=1)
+    right = ((argmax == labels) & valid).sum() / valid.sum().clamp(min=1)
     return loss, right
 
 
