@@ -63,7 +63,7 @@ class TrainSettings:
     gamma: float = 7.0
     self_written: float = 0.5
     distill: float = 0.0     # weight of the KL to the target's next-token distribution; 1 - distill: CE on its argmax
-    save_every: int = 200
+    save_every: int = 1000   # a checkpoint (about 270 MB with the optimizer and the draft) every ~70 s on an H200
     seed: int = 0
     eval_tokens: int = 128
 
