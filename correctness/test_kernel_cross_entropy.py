@@ -12,18 +12,18 @@ from kernels.cross_entropy import cross_entropy, cross_entropy_reference, cross_
 
 def check_case(logits: torch.Tensor, labels: torch.Tensor, gen: torch.Generator, context="") -> None:
     """Loss and argmax of every row, and the gradient under a random upstream gradient, against the reference."""
-    upstream = torch.randn(logits.shape[0], generator=gen)
-    want_x = logits.detach().cpu().clone().requires_grad_()
-    want_loss, want_argmax = cross_entropy_reference(want_x, labels.cpu())
+    upstream = torch.randn(logits.shape[0], generator=gen).to(logits.device)
+    want_x = logits.detach().clone().requires_grad_()
+    want_loss, want_argmax = cross_entropy_reference(want_x, labels)
     (want_loss * upstream).sum().backward()
     x = logits.detach().clone().requires_grad_()
     loss, argmax = cross_entropy_triton(x, labels)
-    (loss * upstream.to(loss.device)).sum().backward()
+    (loss * upstream).sum().backward()
     ctx = f"{context} shape={tuple(logits.shape)} {logits.dtype}"
-    assert torch.equal(argmax.cpu(), want_argmax), f"{ctx}: argmax {argmax.tolist()} != {want_argmax.tolist()}"
-    torch.testing.assert_close(loss.cpu(), want_loss.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{ctx}: loss {m}")
+    assert torch.equal(argmax, want_argmax), f"{ctx}: argmax {argmax.tolist()} != {want_argmax.tolist()}"
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{ctx}: loss {m}")
     bf16 = logits.dtype == torch.bfloat16  # one rounding to bf16 of nearly equal float32 values: a last-bit flip
-    torch.testing.assert_close(x.grad.cpu(), want_x.grad, rtol=1.6e-2 if bf16 else 1e-5, atol=1e-7,
+    torch.testing.assert_close(x.grad, want_x.grad, rtol=1.6e-2 if bf16 else 1e-5, atol=1e-7,
                                msg=lambda m: f"{ctx}: gradient {m}")
 
 
