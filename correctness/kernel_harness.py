@@ -29,6 +29,17 @@ def assert_interpreted_ok(module: str, check: str) -> None:
         f"interpreter check {check} failed\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
 
 
+def hard_logit_cases(gen: torch.Generator, rows: int, vocab: int) -> list[tuple[str, torch.Tensor, int]]:
+    """Logits that trip row-wise kernels over a vocabulary, as (name, logits [rows, vocab], finite columns):
+    ties (the lowest index must win), a masked tail of -inf (whole blocks of it when vocab is large), and rows
+    with a stride != vocab."""
+    ties = torch.randint(0, 3, (rows, vocab), generator=gen).float()
+    masked = torch.randn(rows, vocab, generator=gen)
+    masked[:, vocab // 3:] = float("-inf")
+    strided = torch.randn(rows, vocab + 7, generator=gen)[:, 3:vocab + 3]
+    return [("ties", ties, vocab), ("-inf tail", masked, vocab // 3), ("strided", strided, vocab)]
+
+
 def graph_time_us(fn, reps: int = 50, iters: int = 20) -> float:
     """Microseconds per call of fn: `reps` calls captured in one CUDA graph (after a warm-up on a side stream),
     the graph replayed `iters` times; launch gaps inside the graph included."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from correctness.kernel_harness import assert_interpreted_ok, graph_time_us, run_checks_main
+from correctness.kernel_harness import assert_interpreted_ok, graph_time_us, hard_logit_cases, run_checks_main
 from kernels.topk import topk_logprobs, topk_logprobs_reference, topk_logprobs_triton
 
 POISON = -777
@@ -39,14 +39,9 @@ def random_cases(gen: torch.Generator, device) -> int:
 def tie_and_inf_cases(gen: torch.Generator, device) -> int:
     n = 0
     for rows, vocab, k, chunk in ((3, 64, 8, 16), (2, 500, 8, 64), (1, 9, 9, None)):
-        ties = torch.randint(0, 3, (rows, vocab), generator=gen).float()
-        check_case(ties.to(device), k, chunk, "ties")
-        masked = torch.randn(rows, vocab, generator=gen)
-        masked[:, vocab // 3:] = float("-inf")  # whole chunks of -inf (a masked vocabulary tail)
-        check_case(masked.to(device), min(k, vocab // 3), chunk, "-inf tail")
-        strided = torch.randn(rows, vocab + 7, generator=gen)[:, 3:vocab + 3]  # rows with a stride != V
-        check_case(strided.to(device), k, chunk, "strided")
-        n += 3
+        for name, logits, finite in hard_logit_cases(gen, rows, vocab):  # -inf tails span whole chunks
+            check_case(logits.to(device), min(k, finite), chunk, name)
+            n += 1
     return n
 
 

@@ -45,6 +45,7 @@ from .draft import DFlashDraftModel, draft_config
 from .errors import EngineError
 from .loading import Target
 from .model import Rotary, Transformer
+from .workloads import HELDOUT_TOKENS, heldout_prompts
 
 
 @dataclass
@@ -65,7 +66,7 @@ class TrainSettings:
     distill: float = 0.0     # weight of the KL to the target's next-token distribution; 1 - distill: CE on its argmax
     save_every: int = 1000   # a checkpoint (about 270 MB with the optimizer and the draft) every ~70 s on an H200
     seed: int = 0
-    eval_tokens: int = 128
+    eval_tokens: int = HELDOUT_TOKENS  # new tokens per held-out prompt in the summary, as the perf suite's floor
 
 
 # ------------------------------------------------------------------------------------------------------- data
@@ -168,7 +169,6 @@ def self_written_prompts(target: Target, hf, n: int, settings: TrainSettings) ->
     sampled (temperature 1, top-p 0.95, seeded) until the end of the turn. Unfinished requests (no end of turn
     within 96 tokens), requests under three words and held-out prompts are dropped."""
     from .corpus import OPENERS
-    from .workloads import heldout_prompts
 
     prefix = user_turn_prefix(target)
     if prefix is None or n == 0:
@@ -546,7 +546,6 @@ def heldout_acceptance(target: Target, draft_dir: Path, new_tokens: int, methods
     every output checked against AR."""
     from .bench import Method, pooled_tau, run_matrix
     from .loading import load_drafter
-    from .workloads import heldout_prompts
 
     records = run_matrix(target, load_drafter(str(draft_dir), target), [Method.parse(m, topk_cap=8) for m in methods],
                          list(heldout_prompts()), {"heldout": new_tokens}, warmup=0, progress=False)
