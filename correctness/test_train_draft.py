@@ -16,9 +16,9 @@ from engine.corpus import OPENERS, training_prompts
 from engine.exactness import compare_tokens
 from engine.draft import DFlashDrafter, DraftInput
 from engine.model import Rotary
-from engine.train_draft import (TrainSettings, _batch, _hf_target, block_loss, draft_logits_train, graphed_step,
-                                greedy_answers, heldout_acceptance, new_draft, pack, save_dflash, self_written_prompts,
-                                target_block_logits, train, user_turn_prefix)
+from engine.train_draft import (TrainSettings, _batch, _hf_target, block_loss, continue_prompts, copy_target_layers,
+                                draft_logits_train, graphed_step, heldout_acceptance, new_draft, pack, sample_top_p,
+                                save_dflash, self_written_prompts, target_block_logits, train, user_turn_prefix)
 from engine.workloads import heldout_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,10 +138,45 @@ def test_batched_answers_are_what_decoding_each_prompt_alone_gives(tiny_checkpoi
     rng = torch.Generator().manual_seed(5)
     lengths = [7, 3, 7, 12, 7, 3, 7, 1]
     prompts = [torch.randint(1, target.model.cfg.vocab_size, (n,), generator=rng).tolist() for n in lengths]
-    answers = greedy_answers(target.model, prompts, 14, batch=3, desc="test")
+    answers = continue_prompts(target.model, prompts, 14, batch=3, desc="test")
     assert [len(a) for a in answers] == [14] * len(prompts)
     assert len({tuple(a) for a in answers}) > 1  # the rows are not all one row
     _answers_equal_ar(target, prompts, answers, 14, 1e-4)
+
+
+def test_top_p_sampling_draws_from_the_nucleus_in_proportion():
+    """sample_top_p keeps the fewest most likely tokens whose mass reaches top_p (the first always) and draws among
+    them in proportion to their probabilities."""
+    probs = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
+    logits = probs.log().expand(200_000, -1)
+    torch.manual_seed(0)
+    drawn = sample_top_p(logits, 0.8)  # 0.4 + 0.25 + 0.2 = 0.85 reaches 0.8: tokens 1, 2, 3
+    assert drawn.shape == (200_000, 1)
+    share = torch.bincount(drawn[:, 0], minlength=5).float() / len(drawn)
+    torch.testing.assert_close(share, torch.tensor([0, 0.4, 0.25, 0.2, 0]) / 0.85, rtol=0, atol=0.005)
+    assert (sample_top_p(logits[:10], 0.3) == 1).all()  # the most likely token alone
+    torch.manual_seed(0)
+    assert torch.equal(sample_top_p(logits, 0.8), drawn)  # seeded
+
+
+def test_draft_layers_copied_from_evenly_spaced_target_layers(tiny_checkpoints):
+    """--init target: draft layer i starts as target layer round(i (L - 1) / (n - 1)), first and last included;
+    parameters the target lacks (a Llama target's q/k norms) and the fc keep their initialisation."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    hf = _hf_target(target, torch.device("cpu"), torch.float32)
+    layers = hf.base_model.layers
+    draft = new_draft(target, TrainSettings(out="", layers=2, block_size=4), 7)
+    fc = draft.fc.weight.clone()
+    assert copy_target_layers(draft, layers) == [0, len(layers) - 1]
+    for mine, theirs in zip(draft.layers, (layers[0], layers[-1])):
+        source = dict(theirs.named_parameters())
+        for name, p in mine.named_parameters():
+            if name in source:
+                assert torch.equal(p, source[name]), name
+            else:
+                assert name.endswith(("q_norm.weight", "k_norm.weight")) and (p == 1).all()
+    assert torch.equal(draft.fc.weight, fc)
 
 
 @pytest.mark.gpu
@@ -153,8 +188,15 @@ def test_batched_answers_from_cuda_graphs_equal_ar_on_the_gpu():
 
     target = engine.load_target("smollm2-135m", "cuda", torch.bfloat16)
     prompts = [target.encode(p) for p in training_prompts(24, seed=2)]
-    answers = greedy_answers(target.model, prompts, 48, batch=4, desc="test")
+    answers = continue_prompts(target.model, prompts, 48, batch=4, desc="test")
     _answers_equal_ar(target, prompts, answers, 48, tolerance_for(torch.bfloat16))
+    # sampled in the graph: a nucleus of one token is greedy; the global seed repeats a run, another seed differs
+    assert continue_prompts(target.model, prompts, 48, batch=4, desc="test", top_p=1e-6) == answers
+    runs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        runs.append(continue_prompts(target.model, prompts, 48, batch=4, desc="test", top_p=0.95))
+    assert runs[0] == runs[1] != runs[2]
 
 
 @pytest.mark.gpu
@@ -222,18 +264,18 @@ def test_self_written_prompts_are_requests_from_the_target(default_target):
     never a held-out prompt."""
     prefix = user_turn_prefix(default_target)
     assert prefix and prefix.rstrip().endswith("user")  # SmolLM2's ChatML header
-    hf = _hf_target(default_target, torch.device("cpu"), torch.float32)
     settings = TrainSettings(out="", gen_batch=8, seed=3)
-    prompts = self_written_prompts(default_target, hf, 8, settings)
+    prompts = self_written_prompts(default_target, 8, settings)
     assert 4 <= len(prompts) <= 8 and len(set(prompts)) == len(prompts)
     assert all(any(p.startswith(o) for o in OPENERS[:10]) for p in prompts)  # 10 requests drawn for 8
     assert all(len(p.split()) >= 3 and "<|im_start|>" not in p for p in prompts)
     assert not set(prompts) & set(heldout_prompts().values())
-    assert self_written_prompts(default_target, hf, 8, settings) == prompts  # seeded
+    assert self_written_prompts(default_target, 8, settings) == prompts  # seeded
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", [{}, dict(distill=0.5, self_written=0.0)], ids=["default", "distill-templates"])
+@pytest.mark.parametrize("recipe", [{}, dict(distill=0.5, self_written=0.0, init="target")],
+                         ids=["default", "distill-templates-init"])
 def test_train_resume_load_and_decode(tiny_checkpoints, tmp_path, recipe):
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
@@ -286,4 +328,8 @@ def test_train_draft_rejects_bad_settings(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "engine", "train-draft", "--out", str(tmp_path / "x"),
                            "--distill", "-0.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--distill is the KL's share" in proc.stderr
+    assert not (tmp_path / "x").exists()
+    proc = subprocess.run([sys.executable, "-m", "engine", "train-draft", "--out", str(tmp_path / "x"), "--init",
+                           "teacher"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--init is random or target; got 'teacher'" in proc.stderr
     assert not (tmp_path / "x").exists()

@@ -3,10 +3,11 @@
 1. Data: prompts, then the target's answers. Prompts come from engine/corpus.py's templates (seeded random ids
    for a target without a tokenizer); a share (--self-written, default 0.5) the target writes itself:
    after its chat template's user-turn header and a seeded opener ("Explain", "How do I", ...), it samples the
-   rest of a user request, so the requests range over what the target knows, not over the templates' slots
-   (transformers' sampled `generate`). All are answered greedily in the target's chat template by the engine's own
-   model (prompts of one length batched together: no padding; the step replayed as a CUDA graph on GPUs), each for
-   the full --new-tokens, past end-of-sequence. Saved once in OUT/data.pt, so a resumed run does not generate again.
+   rest of a user request (top-p 0.95), so the requests range over what the target knows, not over the templates'
+   slots. All are answered greedily in the target's chat template. Both by the engine's own model
+   (continue_prompts: prompts of one length batched together, no padding; the step replayed as a CUDA graph on
+   GPUs), each answer for the full --new-tokens, past end-of-sequence. Saved once in OUT/data.pt, so a resumed
+   run does not generate again.
 2. Training, as the DFlash paper does: the target's hidden states after `target_layer_ids` are the context
    features (computed on the fly, frozen target); in each sequence, random anchor positions p in the answer;
    the block [token p, mask, ..., mask] at positions p..p+B-1 sees the context features of positions < p and
@@ -14,8 +15,10 @@
    tokens, weighted exp(-(j - 1) / gamma) by block position j; a share W (--distill W, default 0) of it replaced
    by the KL divergence to the target's whole next-token distribution at each label (its final hidden state at
    the position before, through the LM head): soft targets that also rank the runner-up tokens DDTree branches on.
-   The target's embedding and LM head are borrowed and frozen, as at inference. AdamW with warm-up and cosine
-   decay, a fixed seed, bf16 autocast on GPUs, where each step's forward and backward replay as one CUDA graph.
+   The target's embedding and LM head are borrowed and frozen, as at inference; with --init target, each draft
+   layer starts as a copy of a target layer (copy_target_layers). Batches are drawn on the device. AdamW with
+   warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs, where each step's forward and backward replay
+   as one CUDA graph.
 3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
    the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors, or HF-style shards of at
    most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash
@@ -23,7 +26,6 @@
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -65,6 +67,7 @@ class TrainSettings:
     self_written: float = 0.5
     distill: float = 0.0     # weight of the KL to the target's next-token distribution; 1 - distill: CE on its argmax
     save_every: int = 1000   # a checkpoint (about 270 MB with the optimizer and the draft) every ~70 s on an H200
+    init: str = "random"     # "target": each draft layer starts as a copy of a target layer (copy_target_layers)
     seed: int = 0
     eval_tokens: int = HELDOUT_TOKENS  # new tokens per held-out prompt in the summary, as the perf suite's floor
 
@@ -80,32 +83,26 @@ def _hf_target(target: Target, device, dtype):
     return model
 
 
-def _generate(hf, prompts: list[list[int]], config, batch: int, desc: str) -> list[list[int]]:
-    """The new ids `generate` appends to each prompt, in the prompts' order; batches of similar lengths, left
-    padding."""
-    from tqdm import tqdm
-
-    device = hf.device
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    rows: list[list[int]] = [[] for _ in prompts]
-    for lo in tqdm(range(0, len(order), batch), desc=desc, unit="batch", file=sys.stderr):
-        idx = order[lo:lo + batch]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in idx], device=device)
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx], device=device)
-        out = hf.generate(ids, attention_mask=mask, generation_config=config)
-        for i, row in zip(idx, out[:, width:].tolist()):
-            rows[i] = row
-    return rows
+def sample_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """One id per row [b, 1], sampled at temperature 1 from the smallest set of most likely tokens whose mass reaches
+    top_p. Exponential races instead of torch.multinomial: no host read, so a CUDA graph can hold it; the global
+    generator's stream (torch.manual_seed) makes it repeatable."""
+    # stable: of tied tokens the lowest id comes first, as argmax picks it (a nucleus of one token is greedy)
+    probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True, stable=True)
+    probs = probs * (probs.cumsum(-1) - probs < top_p)  # the most likely token always stays
+    race = torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(probs.dtype).tiny)  # never 0 / 0
+    choice = (probs / race).argmax(-1, keepdim=True)
+    return order.gather(-1, choice)
 
 
 @torch.no_grad()
-def greedy_answers(model: Transformer, prompts: list[list[int]], new_tokens: int, batch: int,
-                   desc: str = "generating answers") -> list[list[int]]:
-    """new_tokens greedy ids after each prompt from the engine's own model, never stopping early. Prompts of one
-    length run together, up to `batch` rows: no padding, so all rows share the cache slots and positions and each
-    row is what decoding its prompt alone gives (up to the batched GEMMs' rounding). On a GPU the one-token step is
-    captured as a CUDA graph per batch and replayed; the host never waits inside a batch."""
+def continue_prompts(model: Transformer, prompts: list[list[int]], new_tokens: int, batch: int,
+                     desc: str = "generating answers", top_p: float | None = None) -> list[list[int]]:
+    """new_tokens ids after each prompt from the engine's own model, never stopping early: greedy, or sampled with
+    sample_top_p when top_p is given. Prompts of one length run together, up to `batch` rows: no padding, so all
+    rows share the cache slots and positions and each greedy row is what decoding its prompt alone gives (up to the
+    batched GEMMs' rounding). On a GPU the one-token step is captured as a CUDA graph per batch and replayed; the
+    host never waits inside a batch."""
     from tqdm import tqdm
 
     from kernels import triton_disabled
@@ -118,6 +115,11 @@ def greedy_answers(model: Transformer, prompts: list[list[int]], new_tokens: int
     chunks = [idx[lo:lo + batch] for _, idx in sorted(by_length.items()) for lo in range(0, len(idx), batch)]
     rows: list[list[int]] = [[] for _ in prompts]
     one = torch.ones(1, 1, dtype=torch.bool, device=dev)
+
+    def pick(hidden):
+        logits = model.logits(hidden[:, -1])
+        return logits.argmax(-1, keepdim=True) if top_p is None else sample_top_p(logits, top_p)
+
     for idx in tqdm(chunks, desc=desc, unit="batch", file=sys.stderr):
         n, b = len(prompts[idx[0]]), len(idx)
         cache = model.new_cache(n + new_tokens, batch=b)
@@ -126,12 +128,12 @@ def greedy_answers(model: Transformer, prompts: list[list[int]], new_tokens: int
                           torch.arange(n, device=dev).expand(b, n), cache,
                           torch.ones(n, n, dtype=torch.bool, device=dev).tril())
         cache.start.fill_(n)
-        token = model.logits(hidden[:, -1]).argmax(-1, keepdim=True)  # [b, 1], the step's static input and output
+        token = pick(hidden)  # [b, 1], the step's static input and output
 
         def step():
             h, _ = model(token, cache.start.expand(b, 1), cache, one)
             cache.start.add_(1)
-            token.copy_(model.logits(h[:, -1]).argmax(-1, keepdim=True))
+            token.copy_(pick(h))
 
         graph = None
         for t in range(new_tokens):
@@ -163,11 +165,11 @@ def user_turn_prefix(target: Target) -> str | None:
     return text[:text.index(marker)] if marker in text else None
 
 
-@torch.no_grad()
-def self_written_prompts(target: Target, hf, n: int, settings: TrainSettings) -> list[str]:
+def self_written_prompts(target: Target, n: int, settings: TrainSettings) -> list[str]:
     """Up to n distinct user requests written by the target: a seeded opener after the user-turn header, then
-    sampled (temperature 1, top-p 0.95, seeded) until the end of the turn. Unfinished requests (no end of turn
-    within 96 tokens), requests under three words and held-out prompts are dropped."""
+    sampled by the engine's model (continue_prompts: temperature 1, top-p 0.95, seeded), cut at the end of the turn.
+    Unfinished requests (no end of turn within 96 tokens), requests under three words and held-out prompts are
+    dropped."""
     from .corpus import OPENERS
 
     prefix = user_turn_prefix(target)
@@ -177,11 +179,9 @@ def self_written_prompts(target: Target, hf, n: int, settings: TrainSettings) ->
     stops = set(target.stop_ids) | {tok.eos_token_id} - {None}
     picks = [i % len(OPENERS) for i in range(n + n // 4)]  # a quarter more: some are dropped
     heads = tok([prefix + o for o in OPENERS], add_special_tokens=False).input_ids
-    config = copy.deepcopy(hf.generation_config)
-    config.update(max_new_tokens=96, do_sample=True, temperature=1.0, top_p=0.95, top_k=None, pad_token_id=0,
-                  eos_token_id=sorted(stops))
     torch.manual_seed(settings.seed)
-    rows = _generate(hf, [heads[k] for k in picks], config, settings.gen_batch, "writing prompts")
+    rows = continue_prompts(target.model, [heads[k] for k in picks], 96, settings.gen_batch, "writing prompts",
+                            top_p=0.95)
     held, seen, out = set(heldout_prompts().values()), set(), []
     for k, row in zip(picks, rows):
         end = next((i for i, t in enumerate(row) if t in stops), None)
@@ -194,7 +194,7 @@ def self_written_prompts(target: Target, hf, n: int, settings: TrainSettings) ->
     return out[:n]
 
 
-def _prompt_ids(target: Target, hf, settings: TrainSettings, log) -> list[list[int]]:
+def _prompt_ids(target: Target, settings: TrainSettings, log) -> list[list[int]]:
     from .corpus import training_prompts
 
     n = settings.prompts
@@ -202,21 +202,21 @@ def _prompt_ids(target: Target, hf, settings: TrainSettings, log) -> list[list[i
         rng = random.Random(settings.seed)
         vocab = target.model.cfg.vocab_size
         return [[rng.randrange(vocab) for _ in range(rng.randint(8, 48))] for _ in range(n)]
-    written = self_written_prompts(target, hf, round(n * settings.self_written), settings)
+    written = self_written_prompts(target, round(n * settings.self_written), settings)
     templated = training_prompts(n - len(written), settings.seed)
     log(f"prompts: {len(written)} written by the target, {len(templated)} from templates")
     return [target.encode(p) for p in written + templated]
 
 
 @torch.no_grad()
-def generate_data(target: Target, hf, settings: TrainSettings, log=print) -> list[dict]:
+def generate_data(target: Target, settings: TrainSettings, log=print) -> list[dict]:
     """[{ids: prompt + greedy answer, prompt_len}], the answers from the engine's own model in the target's dtype
-    (greedy_answers): what the engine itself decodes at that precision.
+    (continue_prompts): what the engine itself decodes at that precision.
 
     Every answer runs the full settings.new_tokens, past end-of-sequence tokens: `bench` and the perf suite decode
     fixed lengths, so the draft must also know what the target writes after it would have stopped (new turns)."""
-    prompts = _prompt_ids(target, hf, settings, log)
-    answers = greedy_answers(target.model, prompts, settings.new_tokens, settings.gen_batch)
+    prompts = _prompt_ids(target, settings, log)
+    answers = continue_prompts(target.model, prompts, settings.new_tokens, settings.gen_batch)
     return [dict(ids=p + a, prompt_len=len(p)) for p, a in zip(prompts, answers)]
 
 
@@ -232,6 +232,22 @@ def new_draft(target: Target, settings: TrainSettings, mask_token_id: int) -> DF
         else:
             torch.nn.init.ones_(p)  # norms
     return draft
+
+
+def copy_target_layers(draft: DFlashDraftModel, target_layers) -> list[int]:
+    """Start draft layer i as a copy of target layer round(i (L - 1) / (n - 1)): the first, the last and evenly
+    spaced ones between, as a shallow student is cut from its teacher. Parameters are matched by name and shape
+    (the target's transformers layers); the rest (q/k norms a Llama target lacks, a hybrid target's linear
+    attention) keep their initialisation. Returns the target layer each draft layer copied."""
+    n, L = len(draft.layers), len(target_layers)
+    picks = [round(i * (L - 1) / max(n - 1, 1)) for i in range(n)]
+    with torch.no_grad():
+        for layer, pick in zip(draft.layers, picks):
+            source = target_layers[pick].state_dict()
+            for name, p in layer.named_parameters():
+                if name in source and source[name].shape == p.shape:
+                    p.copy_(source[name])
+    return picks
 
 
 def pick_mask_token(target: Target) -> int:
@@ -331,27 +347,28 @@ def block_loss(logits, tokens, anchors, lengths, gamma: float, accuracy: bool = 
 # ------------------------------------------------------------------------------------------------ training
 
 def pack(data, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All sequences in one zero-padded id tensor on the device (a batch is then one gather, no host work), with
-    their lengths and prompt lengths on the host."""
+    """All sequences in one zero-padded id tensor, with their lengths and prompt lengths, on the device: a batch is
+    then drawn there (_batch), with no host work and no wait for the GPU between steps."""
     lengths = torch.tensor([len(d["ids"]) for d in data])
     tokens = torch.zeros(len(data), int(lengths.max()), dtype=torch.long)
     for n, d in enumerate(data):
         tokens[n, :len(d["ids"])] = torch.tensor(d["ids"])
-    return tokens.to(device), lengths, torch.tensor([d["prompt_len"] for d in data])
+    prompt_lens = torch.tensor([d["prompt_len"] for d in data])
+    return tokens.to(device), lengths.to(device), prompt_lens.to(device)
 
 
 def _batch(packed, idx: torch.Tensor, n_anchors: int, gen: torch.Generator):
+    """Sequences idx and n_anchors random anchors in each, drawn with `gen` on the packed data's device."""
     all_tokens, all_lengths, all_prompt_lens = packed
     lengths, lo = all_lengths[idx], all_prompt_lens[idx]
-    dev = all_tokens.device
     # every batch at the full packed width, not its own longest sequence: one shape for every step. The step is
     # bound by the host, and a shape that changes each step cost a third of the speed on the H200 (10.0 against
     # 14.9 steps/s); the padding is masked like any other (block_loss, causal features).
-    tokens = all_tokens[idx.to(dev)]
+    tokens = all_tokens[idx]
     # anchors in the answer, with at least one label after them: p in [prompt_len, len - 2]
     span = (lengths - 1 - lo).clamp(min=1)
-    anchors = lo[:, None] + (torch.rand(len(idx), n_anchors, generator=gen) * span[:, None]).long()
-    return tokens, lengths.to(dev), anchors.to(dev)
+    anchors = lo[:, None] + (torch.rand(len(idx), n_anchors, generator=gen, device=gen.device) * span[:, None]).long()
+    return tokens, lengths, anchors
 
 
 def _lr(step: int, settings: TrainSettings) -> float:
@@ -461,11 +478,14 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         data = torch.load(data_path)["data"]
         log(f"data: {len(data)} sequences from {data_path}")
     else:
-        data = generate_data(target, hf, settings, log=log)
+        data = generate_data(target, settings, log=log)
         _atomic_save(dict(data=data, settings=asdict(settings)), data_path)
         log(f"data: {len(data)} sequences, {sum(len(d['ids']) - d['prompt_len'] for d in data)} answer tokens, "
             f"{time.perf_counter() - t0:.0f} s")
     draft = new_draft(target, settings, pick_mask_token(target)).to(device)
+    if settings.init == "target" and not resume:
+        copied = copy_target_layers(draft, hf.base_model.layers)
+        log(f"draft layers start from target layers {copied}")
     # fused: one launch for the whole update (the step is bound by the host)
     opt = torch.optim.AdamW(draft.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=device.type == "cuda")
@@ -499,11 +519,13 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         loss.backward()
         return loss.detach(), right
 
-    gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)  # a resumed run draws new batches
+    # batches are drawn on the device; a resumed run draws new ones
+    gen = torch.Generator(device=device).manual_seed(settings.seed * 1_000_003 + step)
     packed = pack(data, device)
 
     def next_batch():
-        return _batch(packed, torch.randint(len(data), (settings.batch,), generator=gen), settings.anchors, gen)
+        idx = torch.randint(len(data), (settings.batch,), generator=gen, device=device)
+        return _batch(packed, idx, settings.anchors, gen)
 
     draft.train()
     batch = next_batch()
@@ -520,6 +542,7 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
             log(f"warning: training without a CUDA graph ({str(e).splitlines()[0]})")
             torch.cuda.synchronize()
     bar = tqdm(total=settings.steps, initial=step, desc="training", unit="step", file=sys.stderr)
+    first_step, t_steps = step, time.perf_counter()
     while step < settings.steps:
         loss, right = run_step(*batch)
         batch = next_batch()
@@ -536,7 +559,10 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
                               settings=asdict(settings)), ckpt_path)
             save_dflash(draft, target, out / "draft")
     bar.close()
-    log(f"trained {settings.steps} steps; {time.perf_counter() - t0:.0f} s in this run; draft: {out / 'draft'}")
+    steps_s = time.perf_counter() - t_steps
+    log(f"trained {settings.steps} steps; {time.perf_counter() - t0:.0f} s in this run, of which the steps "
+        f"{steps_s:.0f} s ({(settings.steps - first_step) / max(steps_s, 1e-9):.2f} steps/s, checkpoints "
+        f"included); draft: {out / 'draft'}")
     return out / "draft"
 
 
