@@ -305,8 +305,10 @@ def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w,
         m = layer.mlp
         h = _norm(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
         x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
-    out = _norm(x, draft.norm.weight, cfg.rms_norm_eps).view(N, A, B, H)[:, :, 1:]
-    return out @ head_w.t()
+    # rows 1..B-1 of every block as one contiguous [rows, H] matrix: a single GEMM against the LM head (a strided
+    # 4-d operand makes matmul run it as a batched GEMM per sequence, 4x slower on the H200)
+    out = _norm(x.view(N, A, B, H)[:, :, 1:].reshape(-1, H), draft.norm.weight, cfg.rms_norm_eps)
+    return (out @ head_w.t()).view(N, A, B - 1, -1)
 
 
 def target_block_logits(final_hidden, head_w, anchors, block_size: int) -> torch.Tensor:
