@@ -269,8 +269,6 @@ def cmd_train_draft(args) -> int:
         raise EngineError("--block-size must be >= 2, --lr and --gamma > 0")
     if not 0 <= settings.distill <= 1:
         raise EngineError(f"--distill is the KL's share of the loss, from 0 to 1; got {settings.distill}")
-    if settings.init not in ("random", "target"):
-        raise EngineError(f"--init is random or target; got {settings.init!r}")
     if not 0 <= settings.self_written <= 1:
         raise EngineError(f"--self-written is a share of the prompts, from 0 to 1; got {settings.self_written}")
     device = _device(args.device)

@@ -15,10 +15,9 @@
    tokens, weighted exp(-(j - 1) / gamma) by block position j; a share W (--distill W, default 0) of it replaced
    by the KL divergence to the target's whole next-token distribution at each label (its final hidden state at
    the position before, through the LM head): soft targets that also rank the runner-up tokens DDTree branches on.
-   The target's embedding and LM head are borrowed and frozen, as at inference; with --init target, each draft
-   layer starts as a copy of a target layer (copy_target_layers). Batches are drawn on the device. AdamW with
-   warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs, where each step's forward and backward replay
-   as one CUDA graph.
+   The target's embedding and LM head are borrowed and frozen, as at inference. Batches are drawn on the device.
+   AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs, where each step's forward and
+   backward replay as one CUDA graph.
 3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
    the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors, or HF-style shards of at
    most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash
@@ -67,7 +66,6 @@ class TrainSettings:
     self_written: float = 0.5
     distill: float = 0.0     # weight of the KL to the target's next-token distribution; 1 - distill: CE on its argmax
     save_every: int = 1000   # a checkpoint (about 270 MB with the optimizer and the draft) every ~70 s on an H200
-    init: str = "random"     # "target": each draft layer starts as a copy of a target layer (copy_target_layers)
     seed: int = 0
     eval_tokens: int = HELDOUT_TOKENS  # new tokens per held-out prompt in the summary, as the perf suite's floor
 
@@ -232,22 +230,6 @@ def new_draft(target: Target, settings: TrainSettings, mask_token_id: int) -> DF
         else:
             torch.nn.init.ones_(p)  # norms
     return draft
-
-
-def copy_target_layers(draft: DFlashDraftModel, target_layers) -> list[int]:
-    """Start draft layer i as a copy of target layer round(i (L - 1) / (n - 1)): the first, the last and evenly
-    spaced ones between, as a shallow student is cut from its teacher. Parameters are matched by name and shape
-    (the target's transformers layers); the rest (q/k norms a Llama target lacks, a hybrid target's linear
-    attention) keep their initialisation. Returns the target layer each draft layer copied."""
-    n, L = len(draft.layers), len(target_layers)
-    picks = [round(i * (L - 1) / max(n - 1, 1)) for i in range(n)]
-    with torch.no_grad():
-        for layer, pick in zip(draft.layers, picks):
-            source = target_layers[pick].state_dict()
-            for name, p in layer.named_parameters():
-                if name in source and source[name].shape == p.shape:
-                    p.copy_(source[name])
-    return picks
 
 
 def pick_mask_token(target: Target) -> int:
@@ -485,9 +467,6 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         log(f"data: {len(data)} sequences, {sum(len(d['ids']) - d['prompt_len'] for d in data)} answer tokens, "
             f"{time.perf_counter() - t0:.0f} s")
     draft = new_draft(target, settings, pick_mask_token(target)).to(device)
-    if settings.init == "target" and not resume:
-        copied = copy_target_layers(draft, hf.base_model.layers)
-        log(f"draft layers start from target layers {copied}")
     # fused: one launch for the whole update (the step is bound by the host)
     opt = torch.optim.AdamW(draft.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=device.type == "cuda")
