@@ -16,12 +16,19 @@ from engine.corpus import OPENERS, training_prompts
 from engine.exactness import compare_tokens
 from engine.draft import DFlashDrafter, DraftInput
 from engine.model import Rotary
-from engine.train_draft import (TrainSettings, _batch, _hf_target, block_loss, continue_prompts, draft_logits_train,
-                                graphed_step, heldout_acceptance, new_draft, pack, sample_top_p, save_dflash,
-                                self_written_prompts, target_block_logits, train, user_turn_prefix)
+from engine.train_draft import (TrainSettings, _batch, block_loss, continue_prompts, draft_logits_train, graphed_step,
+                                heldout_acceptance, new_draft, pack, sample_top_p, save_dflash, self_written_prompts,
+                                target_block_logits, target_features, train, user_turn_prefix)
 from engine.workloads import heldout_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _hf_target(target):
+    """transformers' model of the same checkpoint, float32 on the CPU: the reference for hidden states."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target.source, dtype=torch.float32).eval().requires_grad_(False)
 
 
 def test_training_prompts_are_distinct_and_never_held_out():
@@ -47,7 +54,7 @@ def test_training_pass_equals_the_inference_pass(tiny_checkpoints, name):
     DFlashDrafter.propose given the target's features of positions < p and token p as the bonus."""
     path, _ = tiny_checkpoints[name]
     target = engine.load_target(str(path), "cpu", torch.float32)
-    hf = _hf_target(target, torch.device("cpu"), torch.float32)
+    hf = _hf_target(target)
     draft = _perturbed_draft(target, seed=4)
     seq = torch.randint(10, target.model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -69,7 +76,6 @@ def test_padding_to_the_packed_width_does_not_change_the_loss(tiny_checkpoints):
     same sequences and anchors give the same loss whatever that width."""
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
-    hf = _hf_target(target, torch.device("cpu"), torch.float32)
     draft = _perturbed_draft(target, seed=3)
     rotary = Rotary(target.model.cfg.hf, draft.dcfg.layers.head_dim, "cpu")
     rng = torch.Generator().manual_seed(5)
@@ -82,15 +88,33 @@ def test_padding_to_the_packed_width_does_not_change_the_loss(tiny_checkpoints):
         packed = pack(pool, torch.device("cpu"))
         tokens, lengths, anchors = _batch(packed, torch.tensor([0, 1, 2]), 4, torch.Generator().manual_seed(9))
         with torch.no_grad():
-            base = hf.base_model(tokens, output_hidden_states=True)
-            feats = torch.cat([base.hidden_states[i + 1] for i in draft.dcfg.target_layer_ids], dim=-1)
-            logits = draft_logits_train(draft, rotary, hf.get_input_embeddings().weight,
-                                        hf.get_output_embeddings().weight, feats, tokens, anchors)
-            teacher = target_block_logits(base.last_hidden_state, hf.get_output_embeddings().weight, anchors, 5)
+            cache = target.model.new_cache(tokens.shape[1], batch=len(tokens))
+            feats, final = target_features(target.model, tokens, draft.dcfg.target_layer_ids, cache)
+            logits = draft_logits_train(draft, rotary, target.model.embed_tokens.weight, target.model.lm_head.weight,
+                                        feats, tokens, anchors)
+            teacher = target_block_logits(final, target.model.lm_head.weight, anchors, 5)
             losses.append(block_loss(logits, tokens, anchors, lengths, 7.0, accuracy=False, teacher=teacher,
                                      distill=0.5)[0])
         assert tokens.shape[1] == max(len(d["ids"]) for d in pool)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias"])
+def test_training_features_are_the_targets_hidden_states(tiny_checkpoints, name):
+    """target_features (the engine's blocks, causal attention over whole sequences, a batch of them) gives the
+    target's hidden states after each chosen layer and its final-normed states, as transformers computes them."""
+    path, _ = tiny_checkpoints[name]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    hf = _hf_target(target)
+    tokens = torch.randint(10, target.model.cfg.vocab_size, (3, 37), generator=torch.Generator().manual_seed(8))
+    # not the last layer: transformers' last hidden state is after the final norm, the engine's (at inference too)
+    # is the layer's output
+    layers = tuple(range(target.model.cfg.num_layers - 1))
+    feats, final = target_features(target.model, tokens, layers, target.model.new_cache(37, batch=3))
+    with torch.no_grad():
+        ref = hf.base_model(tokens, output_hidden_states=True)
+    torch.testing.assert_close(feats, torch.cat([ref.hidden_states[i + 1] for i in layers], -1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, ref.last_hidden_state, rtol=1e-4, atol=1e-4)
 
 
 def test_distillation_teacher_is_the_targets_next_token_distribution(tiny_checkpoints):
@@ -98,7 +122,7 @@ def test_distillation_teacher_is_the_targets_next_token_distribution(tiny_checkp
     distilled loss is (1 - w) CE + w KL, so it equals the CE share alone when the draft's logits are the teacher's."""
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
-    hf = _hf_target(target, torch.device("cpu"), torch.float32)
+    hf = _hf_target(target)
     seq = torch.randint(10, target.model.cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(5))
     anchors = torch.tensor([[3, 17, 25], [0, 8, 26]])
     with torch.no_grad():

@@ -8,16 +8,16 @@
    (continue_prompts: prompts of one length batched together, no padding; the step replayed as a CUDA graph on
    GPUs), each answer for the full --new-tokens, past end-of-sequence. Saved once in OUT/data.pt, so a resumed
    run does not generate again.
-2. Training, as the DFlash paper does: the target's hidden states after `target_layer_ids` are the context
-   features (computed on the fly, frozen target); in each sequence, random anchor positions p in the answer;
-   the block [token p, mask, ..., mask] at positions p..p+B-1 sees the context features of positions < p and
-   itself (non-causal) and predicts tokens p+1..p+B-1 in one pass; cross-entropy against the target's greedy
-   tokens, weighted exp(-(j - 1) / gamma) by block position j; a share W (--distill W, default 0) of it replaced
-   by the KL divergence to the target's whole next-token distribution at each label (its final hidden state at
-   the position before, through the LM head): soft targets that also rank the runner-up tokens DDTree branches on.
-   The target's embedding and LM head are borrowed and frozen, as at inference. Batches are drawn on the device.
-   AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs, where each step's forward and
-   backward replay as one CUDA graph.
+2. Training, as the DFlash paper does: the target's hidden states after `target_layer_ids` are the context features
+   (computed on the fly by the engine's own frozen model, as at inference: target_features); in each sequence,
+   random anchor positions p in the answer; the block [token p, mask, ..., mask] at positions p..p+B-1 sees the
+   context features of positions < p and itself (non-causal) and predicts tokens p+1..p+B-1 in one pass;
+   cross-entropy against the target's greedy tokens, weighted exp(-(j - 1) / gamma) by block position j; a share W
+   (--distill W, default 0) of it replaced by the KL divergence to the target's whole next-token distribution at
+   each label (its final hidden state at the position before, through the LM head): soft targets that also rank the
+   runner-up tokens DDTree branches on. The target's embedding and LM head are borrowed and frozen, as at inference.
+   Batches are drawn on the device. AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs, where
+   each step's forward and backward replay as one CUDA graph.
 3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
    the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors, or HF-style shards of at
    most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash
@@ -45,6 +45,7 @@ from kernels.fused import rmsnorm_reference, rope_reference
 from .draft import DFlashDraftModel, draft_config
 from .errors import EngineError
 from .loading import Target
+from .cache import ModelCache
 from .model import Rotary, Transformer
 from .workloads import HELDOUT_TOKENS, heldout_prompts
 
@@ -71,15 +72,6 @@ class TrainSettings:
 
 
 # ------------------------------------------------------------------------------------------------------- data
-
-def _hf_target(target: Target, device, dtype):
-    from transformers import AutoModelForCausalLM
-
-    if target.source is None:
-        raise EngineError(f"train-draft needs a target with weights on disk; {target.name} has none")
-    model = AutoModelForCausalLM.from_pretrained(target.source, dtype=dtype).to(device).eval().requires_grad_(False)
-    return model
-
 
 def sample_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """One id per row [b, 1], sampled at temperature 1 from the smallest set of most likely tokens whose mass reaches
@@ -293,6 +285,32 @@ def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w,
     return (out @ head_w.t()).view(N, A, B - 1, -1)
 
 
+@torch.no_grad()
+def target_features(model: Transformer, tokens: torch.Tensor, layers, cache: ModelCache):
+    """The outputs of target `layers` for whole sequences tokens [N, L], concatenated [N, L, len(layers) * hidden]
+    (HF's hidden_states[i + 1]), and the final-normed hidden states [N, L, hidden]. The engine's own blocks and
+    kernels, which make the features at inference, with causal attention over the whole sequence by
+    scaled_dot_product_attention on the keys and values the blocks just stored in `cache` (capacity L, batch N):
+    one shape and no host reads, so the training step's CUDA graph holds it. Padding at the end of a sequence
+    never reaches an earlier position."""
+    N, L = tokens.shape
+    slots = torch.arange(L, device=tokens.device)
+    x = model.embed(tokens)
+    cos, sin = model.rotary(slots.expand(N, L), x.dtype)
+    delta, x, captured = x, None, []
+    for i, (block, layer_cache) in enumerate(zip(model.layers, cache.layers)):
+        attn = block.self_attn
+        h, x = block.input_layernorm(delta, x)
+        q = attn.project(h, cos, sin, layer_cache, slots)
+        o = F.scaled_dot_product_attention(q, layer_cache.k, layer_cache.v, is_causal=True,
+                                           enable_gqa=attn.num_heads != attn.num_kv_heads)
+        h, x = block.post_attention_layernorm(attn.out(o), x)
+        delta = block.mlp(h)
+        if i in layers:
+            captured.append(x + delta)
+    return torch.cat(captured, dim=-1), model.norm(delta, x)[0]
+
+
 def target_block_logits(final_hidden, head_w, anchors, block_size: int) -> torch.Tensor:
     """The target's logits for tokens p+1..p+B-1 of each block [N, A, B-1, V]: its final (normed) hidden states at
     positions p..p+B-2 through the LM head. Positions past the end are clamped (block_loss masks them)."""
@@ -456,7 +474,6 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         raise EngineError(f"{out} already holds a training run: pass --resume to continue it, or another --out")
     out.mkdir(parents=True, exist_ok=True)
     amp = torch.bfloat16 if device.type == "cuda" else torch.float32
-    hf = _hf_target(target, device, amp)
     t0 = time.perf_counter()
     if data_path.exists():
         data = torch.load(data_path)["data"]
@@ -477,24 +494,21 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         opt.load_state_dict(ck["optimizer"])
         step = ck["step"]
         log(f"resuming at step {step}")
-    embed_w = hf.get_input_embeddings().weight
-    head_w = hf.get_output_embeddings().weight
-    rotary = Rotary(target.model.cfg.hf, draft.dcfg.layers.head_dim, device)
-    feature_ids = [i + 1 for i in draft.dcfg.target_layer_ids]
+    model = target.model  # frozen; its embedding and LM head are the draft's, as at inference
+    embed_w, head_w = model.embed_tokens.weight, model.lm_head.weight
+    rotary = Rotary(model.cfg.hf, draft.dcfg.layers.head_dim, device)
+    packed = pack(data, device)
+    feature_cache = model.new_cache(packed[0].shape[1], batch=settings.batch)  # every batch has the packed width
 
     def loss_and_grads(tokens, lengths, anchors):
-        with torch.no_grad():
-            # the base model: no LM head over every position. No padding mask: padding sits at the end, and causal
-            # attention keeps it out of every real position's features
-            base = hf.base_model(tokens, output_hidden_states=True, use_cache=False)
-            feats = torch.cat([base.hidden_states[i] for i in feature_ids], dim=-1)
+        feats, final_hidden = target_features(model, tokens, draft.dcfg.target_layer_ids, feature_cache)
         # no autocast weight cache: a CUDA graph must not keep casts made during its capture
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32, cache_enabled=False):
             logits = draft_logits_train(draft, rotary, embed_w, head_w, feats, tokens, anchors)
             teacher = None
             if settings.distill > 0:
                 with torch.no_grad():
-                    teacher = target_block_logits(base.last_hidden_state, head_w, anchors, settings.block_size)
+                    teacher = target_block_logits(final_hidden, head_w, anchors, settings.block_size)
             loss, right = block_loss(logits, tokens, anchors, lengths, settings.gamma, teacher=teacher,
                                      distill=settings.distill)
         loss.backward()
@@ -502,7 +516,6 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
 
     # batches are drawn on the device; a resumed run draws new ones
     gen = torch.Generator(device=device).manual_seed(settings.seed * 1_000_003 + step)
-    packed = pack(data, device)
 
     def next_batch():
         idx = torch.randint(len(data), (settings.batch,), generator=gen, device=device)
