@@ -42,10 +42,10 @@ import torch.nn.functional as F
 from kernels.cross_entropy import cross_entropy
 from kernels.fused import rmsnorm_reference, rope_reference
 
+from .cache import ModelCache
 from .draft import DFlashDraftModel, draft_config
 from .errors import EngineError
 from .loading import Target
-from .cache import ModelCache
 from .model import Rotary, Transformer
 from .workloads import HELDOUT_TOKENS, heldout_prompts
 
@@ -280,7 +280,7 @@ def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w,
         h = _norm(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
         x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
     # rows 1..B-1 of every block as one contiguous [rows, H] matrix: a single GEMM against the LM head (a strided
-    # 4-d operand makes matmul run it as a batched GEMM per sequence, 4x slower on the H200)
+    # 4-d operand made matmul run a batched GEMM per sequence: 12.3 ms of a 53.8 ms step on the H200, 43.9 after)
     out = _norm(x.view(N, A, B, H)[:, :, 1:].reshape(-1, H), draft.norm.weight, cfg.rms_norm_eps)
     return (out @ head_w.t()).view(N, A, B - 1, -1)
 
@@ -288,7 +288,8 @@ def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w,
 @torch.no_grad()
 def target_features(model: Transformer, tokens: torch.Tensor, layers, cache: ModelCache):
     """The outputs of target `layers` for whole sequences tokens [N, L], concatenated [N, L, len(layers) * hidden]
-    (HF's hidden_states[i + 1]), and the final-normed hidden states [N, L, hidden]. The engine's own blocks and
+    (what the engine captures at inference: HF's hidden_states[i + 1], except after the last layer, where HF's is
+    after the final norm), and the final-normed hidden states [N, L, hidden]. The engine's own blocks and
     kernels, which make the features at inference, with causal attention over the whole sequence by
     scaled_dot_product_attention on the keys and values the blocks just stored in `cache` (capacity L, batch N):
     one shape and no host reads, so the training step's CUDA graph holds it. Padding at the end of a sequence
