@@ -18,7 +18,7 @@ from engine.draft import DFlashDrafter, DraftInput
 from engine.model import Rotary
 from engine.train_draft import (TrainSettings, _batch, block_loss, continue_prompts, draft_logits_train, graphed_step,
                                 heldout_acceptance, new_draft, pack, sample_top_p, save_dflash, self_written_prompts,
-                                target_block_logits, target_features, train, user_turn_prefix)
+                                target_block_logits, train, user_turn_prefix)
 from engine.workloads import heldout_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +29,13 @@ def _hf_target(target):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(target.source, dtype=torch.float32).eval().requires_grad_(False)
+
+
+def _features(model, tokens, layers):
+    """Training's context features: the target's forward over whole sequences (no node_mask), as train() runs it."""
+    N, L = tokens.shape
+    final, feats = model(tokens, torch.arange(L).expand(N, L), model.new_cache(L, batch=N), None, capture=layers)
+    return feats, final
 
 
 def test_training_prompts_are_distinct_and_never_held_out():
@@ -88,8 +95,7 @@ def test_padding_to_the_packed_width_does_not_change_the_loss(tiny_checkpoints):
         packed = pack(pool, torch.device("cpu"))
         tokens, lengths, anchors = _batch(packed, torch.tensor([0, 1, 2]), 4, torch.Generator().manual_seed(9))
         with torch.no_grad():
-            cache = target.model.new_cache(tokens.shape[1], batch=len(tokens))
-            feats, final = target_features(target.model, tokens, draft.dcfg.target_layer_ids, cache)
+            feats, final = _features(target.model, tokens, draft.dcfg.target_layer_ids)
             logits = draft_logits_train(draft, rotary, target.model.embed_tokens.weight, target.model.lm_head.weight,
                                         feats, tokens, anchors)
             teacher = target_block_logits(final, target.model.lm_head.weight, anchors, 5)
@@ -101,8 +107,9 @@ def test_padding_to_the_packed_width_does_not_change_the_loss(tiny_checkpoints):
 
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias"])
 def test_training_features_are_the_targets_hidden_states(tiny_checkpoints, name):
-    """target_features (the engine's blocks, causal attention over whole sequences, a batch of them) gives the
-    target's hidden states after each chosen layer and its final-normed states, as transformers computes them."""
+    """The target's forward over whole sequences (a batch of them, no node_mask: causal attention by SDPA) gives its
+    hidden states after each chosen layer and its final-normed states, as transformers computes them and as the
+    engine's prefill with a causal node_mask does."""
     path, _ = tiny_checkpoints[name]
     target = engine.load_target(str(path), "cpu", torch.float32)
     hf = _hf_target(target)
@@ -110,11 +117,14 @@ def test_training_features_are_the_targets_hidden_states(tiny_checkpoints, name)
     # not the last layer: transformers' last hidden state is after the final norm, the engine's (at inference too)
     # is the layer's output
     layers = tuple(range(target.model.cfg.num_layers - 1))
-    feats, final = target_features(target.model, tokens, layers, target.model.new_cache(37, batch=3))
+    feats, final = _features(target.model, tokens, layers)
     with torch.no_grad():
         ref = hf.base_model(tokens, output_hidden_states=True)
+        prefill = target.model(tokens, torch.arange(37).expand(3, 37), target.model.new_cache(40, batch=3),
+                               torch.ones(37, 37, dtype=torch.bool).tril(), capture=layers)
     torch.testing.assert_close(feats, torch.cat([ref.hidden_states[i + 1] for i in layers], -1), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final, ref.last_hidden_state, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close((final, feats), prefill, rtol=1e-5, atol=1e-5)
 
 
 def test_distillation_teacher_is_the_targets_next_token_distribution(tiny_checkpoints):

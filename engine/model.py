@@ -2,7 +2,8 @@
 
 Parameter names follow the Hugging Face checkpoints (minus the leading "model."), so a safetensors state dict
 loads directly. New tokens see the whole committed prefix plus the new rows their `node_mask` allows: causal
-for prefill and linear verification, ancestor-only for tree verification (kernels/tree_attention.py).
+for prefill and linear verification, ancestor-only for tree verification (kernels/tree_attention.py). Without a
+node_mask the tokens are whole sequences from an empty cache (draft training's features): plain causal attention.
 """
 from __future__ import annotations
 
@@ -92,6 +93,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, layer_cache: AttentionLayerCache, slots, start, node_mask) -> torch.Tensor:
         q = self.project(x, cos, sin, layer_cache, slots)
+        if node_mask is None:  # whole sequences from slot 0: causal over the rows just stored, no host read
+            T = q.shape[2]
+            o = F.scaled_dot_product_attention(q, layer_cache.k[:, :, :T], layer_cache.v[:, :, :T], is_causal=True,
+                                               enable_gqa=self.num_heads != self.num_kv_heads)
+            return self.out(o)
         return self.out(tree_attention(q, layer_cache.k, layer_cache.v, start, node_mask))
 
 

@@ -9,15 +9,15 @@
    GPUs), each answer for the full --new-tokens, past end-of-sequence. Saved once in OUT/data.pt, so a resumed
    run does not generate again.
 2. Training, as the DFlash paper does: the target's hidden states after `target_layer_ids` are the context features
-   (computed on the fly by the engine's own frozen model, as at inference: target_features); in each sequence,
-   random anchor positions p in the answer; the block [token p, mask, ..., mask] at positions p..p+B-1 sees the
-   context features of positions < p and itself (non-causal) and predicts tokens p+1..p+B-1 in one pass;
-   cross-entropy against the target's greedy tokens, weighted exp(-(j - 1) / gamma) by block position j; a share W
-   (--distill W, default 0) of it replaced by the KL divergence to the target's whole next-token distribution at
-   each label (its final hidden state at the position before, through the LM head): soft targets that also rank the
-   runner-up tokens DDTree branches on. The target's embedding and LM head are borrowed and frozen, as at inference.
-   Batches are drawn on the device. AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs, where
-   each step's forward and backward replay as one CUDA graph.
+   (computed on the fly by the engine's own frozen model, as at inference); in each sequence, random anchor
+   positions p in the answer; the block [token p, mask, ..., mask] at positions p..p+B-1 sees the context features
+   of positions < p and itself (non-causal) and predicts tokens p+1..p+B-1 in one pass; cross-entropy against the
+   target's greedy tokens, weighted exp(-(j - 1) / gamma) by block position j; a share W (--distill W, default 0) of
+   it replaced by the KL divergence to the target's whole next-token distribution at each label (its final hidden
+   state at the position before, through the LM head): soft targets that also rank the runner-up tokens DDTree
+   branches on. The target's embedding and LM head are borrowed and frozen, as at inference. Batches are drawn on
+   the device. AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs, where each step's forward
+   and backward replay as one CUDA graph.
 3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
    the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors, or HF-style shards of at
    most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash
@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from kernels.cross_entropy import cross_entropy
 from kernels.fused import rmsnorm_reference, rope_reference
 
-from .cache import ModelCache
 from .draft import DFlashDraftModel, draft_config
 from .errors import EngineError
 from .loading import Target
@@ -285,33 +284,6 @@ def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w,
     return (out @ head_w.t()).view(N, A, B - 1, -1)
 
 
-@torch.no_grad()
-def target_features(model: Transformer, tokens: torch.Tensor, layers, cache: ModelCache):
-    """The outputs of target `layers` for whole sequences tokens [N, L], concatenated [N, L, len(layers) * hidden]
-    (what the engine captures at inference: HF's hidden_states[i + 1], except after the last layer, where HF's is
-    after the final norm), and the final-normed hidden states [N, L, hidden]. The engine's own blocks and
-    kernels, which make the features at inference, with causal attention over the whole sequence by
-    scaled_dot_product_attention on the keys and values the blocks just stored in `cache` (capacity L, batch N):
-    one shape and no host reads, so the training step's CUDA graph holds it. Padding at the end of a sequence
-    never reaches an earlier position."""
-    N, L = tokens.shape
-    slots = torch.arange(L, device=tokens.device)
-    x = model.embed(tokens)
-    cos, sin = model.rotary(slots.expand(N, L), x.dtype)
-    delta, x, captured = x, None, []
-    for i, (block, layer_cache) in enumerate(zip(model.layers, cache.layers)):
-        attn = block.self_attn
-        h, x = block.input_layernorm(delta, x)
-        q = attn.project(h, cos, sin, layer_cache, slots)
-        o = F.scaled_dot_product_attention(q, layer_cache.k, layer_cache.v, is_causal=True,
-                                           enable_gqa=attn.num_heads != attn.num_kv_heads)
-        h, x = block.post_attention_layernorm(attn.out(o), x)
-        delta = block.mlp(h)
-        if i in layers:
-            captured.append(x + delta)
-    return torch.cat(captured, dim=-1), model.norm(delta, x)[0]
-
-
 def target_block_logits(final_hidden, head_w, anchors, block_size: int) -> torch.Tensor:
     """The target's logits for tokens p+1..p+B-1 of each block [N, A, B-1, V]: its final (normed) hidden states at
     positions p..p+B-2 through the LM head. Positions past the end are clamped (block_loss masks them)."""
@@ -499,10 +471,15 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
     embed_w, head_w = model.embed_tokens.weight, model.lm_head.weight
     rotary = Rotary(model.cfg.hf, draft.dcfg.layers.head_dim, device)
     packed = pack(data, device)
-    feature_cache = model.new_cache(packed[0].shape[1], batch=settings.batch)  # every batch has the packed width
+    # the context features as at inference, from the engine's own blocks and kernels: whole sequences, causal (no
+    # node_mask), in a cache of the packed width that every batch has. Padding at the end never reaches a real row.
+    width = packed[0].shape[1]
+    feature_cache = model.new_cache(width, batch=settings.batch)
+    positions = torch.arange(width, device=device).expand(settings.batch, width)
 
     def loss_and_grads(tokens, lengths, anchors):
-        feats, final_hidden = target_features(model, tokens, draft.dcfg.target_layer_ids, feature_cache)
+        with torch.no_grad():
+            final_hidden, feats = model(tokens, positions, feature_cache, None, capture=draft.dcfg.target_layer_ids)
         # no autocast weight cache: a CUDA graph must not keep casts made during its capture
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32, cache_enabled=False):
             logits = draft_logits_train(draft, rotary, embed_w, head_w, feats, tokens, anchors)
