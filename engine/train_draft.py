@@ -57,7 +57,7 @@ class TrainSettings:
     prompts: int = 40960
     new_tokens: int = 256
     gen_batch: int = 2048
-    steps: int = 10000
+    steps: int = 25000
     batch: int = 32
     anchors: int = 32
     lr: float = 6e-4
