@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 
@@ -73,9 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="run folder: data.pt, checkpoint.pt, draft/ (DFlash format)")
     t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    for name, value in asdict(d).items():
-        if name != "out":
-            t.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    for f in fields(TrainSettings):
+        if f.name != "out":
+            value = getattr(d, f.name)
+            t.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value,
+                           help=f"{f.metadata['help']} (default: %(default)s)")
     return parser
 
 

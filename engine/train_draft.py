@@ -33,7 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,25 +49,32 @@ from .model import Rotary, Transformer
 from .workloads import HELDOUT_TOKENS, heldout_prompts
 
 
+def _setting(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainSettings:
+    """The recipe; the defaults made the committed default draft (README). Each help text is its CLI option's."""
     out: str
-    layers: int = 5
-    block_size: int = 16
-    prompts: int = 40960
-    new_tokens: int = 256
-    gen_batch: int = 2048
-    steps: int = 25000
-    batch: int = 32
-    anchors: int = 32
-    lr: float = 6e-4
-    warmup: int = 100
-    gamma: float = 7.0
-    self_written: float = 0.5
-    distill: float = 0.0     # weight of the KL to the target's next-token distribution; 1 - distill: CE on its argmax
-    save_every: int = 1000   # a checkpoint (about 270 MB with the optimizer and the draft) every ~70 s on an H200
-    seed: int = 0
-    eval_tokens: int = HELDOUT_TOKENS  # new tokens per held-out prompt in the summary, as the perf suite's floor
+    layers: int = _setting(5, "draft layers (5 stay within the 40 MB the repository allows)")
+    block_size: int = _setting(16, "tokens per draft block, the anchor's own included")
+    prompts: int = _setting(40960, "training prompts, each answered by the target")
+    new_tokens: int = _setting(256, "greedy answer tokens per prompt (past end-of-sequence)")
+    gen_batch: int = _setting(2048, "prompts per batch while the target answers them")
+    steps: int = _setting(25000, "optimizer steps")
+    batch: int = _setting(32, "sequences per step")
+    anchors: int = _setting(32, "random anchors (blocks) per sequence")
+    lr: float = _setting(6e-4, "peak learning rate (linear warm-up, cosine to a tenth)")
+    warmup: int = _setting(100, "warm-up steps")
+    gamma: float = _setting(7.0, "loss weight exp(-(j-1)/gamma) of block position j")
+    self_written: float = _setting(0.5, "share of the prompts the target writes itself (the rest from templates)")
+    distill: float = _setting(0.0, "share of the loss that is the KL to the target's next-token distribution "
+                                   "(the rest: cross-entropy on its argmax)")
+    save_every: int = _setting(1000, "steps between checkpoints (about 270 MB each with the optimizer state)")
+    seed: int = _setting(0, "seed of the data and of training")
+    eval_tokens: int = _setting(HELDOUT_TOKENS, "new tokens per held-out prompt in the summary (as the perf "
+                                                "suite's held-out floor)")
 
 
 # ------------------------------------------------------------------------------------------------------- data
