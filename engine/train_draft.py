@@ -57,7 +57,7 @@ def _setting(default, help: str):
 class TrainSettings:
     """The recipe; the defaults made the committed default draft (README). Each help text is its CLI option's."""
     out: str
-    layers: int = _setting(5, "draft layers (5 stay within the 40 MB the repository allows)")
+    layers: int = _setting(5, "draft layers, each of the target's width")
     block_size: int = _setting(16, "tokens per draft block, the anchor's own included")
     prompts: int = _setting(40960, "training prompts, each answered by the target")
     new_tokens: int = _setting(256, "greedy answer tokens per prompt (past end-of-sequence)")
