@@ -99,8 +99,7 @@ def test_padding_to_the_packed_width_does_not_change_the_loss(tiny_checkpoints):
             logits = draft_logits_train(draft, rotary, target.model.embed_tokens.weight, target.model.lm_head.weight,
                                         feats, tokens, anchors)
             teacher = target_block_logits(final, target.model.lm_head.weight, anchors, 5)
-            losses.append(block_loss(logits, tokens, anchors, lengths, 7.0, accuracy=False, teacher=teacher,
-                                     distill=0.5)[0])
+            losses.append(block_loss(logits, tokens, anchors, lengths, 7.0, teacher=teacher, distill=0.5)[0])
         assert tokens.shape[1] == max(len(d["ids"]) for d in pool)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
 
@@ -146,11 +145,11 @@ def test_distillation_teacher_is_the_targets_next_token_distribution(tiny_checkp
                 if p + j < 30:
                     torch.testing.assert_close(teacher[n, a, j - 1], out.logits[n, p + j - 1], rtol=1e-4, atol=1e-4)
     lengths = torch.tensor([30, 29])
-    ce, _ = block_loss(teacher, seq, anchors, lengths, gamma=7.0, accuracy=False)
-    mixed, _ = block_loss(teacher, seq, anchors, lengths, gamma=7.0, accuracy=False, teacher=teacher, distill=0.3)
+    ce, _ = block_loss(teacher, seq, anchors, lengths, gamma=7.0)
+    mixed, _ = block_loss(teacher, seq, anchors, lengths, gamma=7.0, teacher=teacher, distill=0.3)
     torch.testing.assert_close(mixed, 0.7 * ce)
     other = teacher + torch.randn_like(teacher)
-    worse, _ = block_loss(other, seq, anchors, lengths, gamma=7.0, accuracy=False, teacher=teacher, distill=1.0)
+    worse, _ = block_loss(other, seq, anchors, lengths, gamma=7.0, teacher=teacher, distill=1.0)
     assert worse > 0.01
 
 

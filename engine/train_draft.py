@@ -300,11 +300,10 @@ def target_block_logits(final_hidden, head_w, anchors, block_size: int) -> torch
     return rows @ head_w.t()
 
 
-def block_loss(logits, tokens, anchors, lengths, gamma: float, accuracy: bool = True, teacher=None,
-               distill: float = 0.0):
+def block_loss(logits, tokens, anchors, lengths, gamma: float, teacher=None, distill: float = 0.0):
     """Weighted cross-entropy against tokens p+1..p+B-1 (positions past a sequence's end do not count); with
     `teacher` logits (target_block_logits, given when distill > 0), a share `distill` of it is the KL(teacher ||
-    draft) instead. Also the share of block positions whose argmax is right (None unless `accuracy`)."""
+    draft) instead. Also the share of block positions whose argmax is right."""
     N, A, Bm1, V = logits.shape
     j = torch.arange(1, Bm1 + 1, device=tokens.device)
     pos = anchors[..., None] + j                                                       # [N, A, B-1]
@@ -318,10 +317,8 @@ def block_loss(logits, tokens, anchors, lengths, gamma: float, accuracy: bool = 
         logp = F.log_softmax(logits.float(), dim=-1)
         kl = F.kl_div(logp, F.log_softmax(teacher.float(), dim=-1), log_target=True, reduction="none").sum(-1)
         per_position = (1 - distill) * -logp.gather(-1, labels[..., None])[..., 0] + distill * kl
-        argmax = logits.detach().argmax(-1) if accuracy else None
+        argmax = logits.detach().argmax(-1)
     loss = (per_position * weight).sum() / weight.sum().clamp(min=1e-6)
-    if not accuracy:
-        return loss, None
     right = ((argmax == labels) & valid).sum() / valid.sum().clamp(min=1)
     return loss, right
 
