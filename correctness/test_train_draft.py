@@ -16,9 +16,11 @@ from engine.corpus import OPENERS, training_prompts
 from engine.exactness import compare_tokens
 from engine.draft import DFlashDrafter, DraftInput
 from engine.model import Rotary
-from engine.train_draft import (TrainSettings, _batch, block_loss, continue_prompts, draft_logits_train, graphed_step,
-                                heldout_acceptance, new_draft, pack, sample_top_p, save_dflash, self_written_prompts,
-                                target_block_logits, train, user_turn_prefix)
+from engine import train_draft
+from engine.train_draft import (TrainSettings, _batch, bank_rows, block_loss, continue_prompts, draft_logits_train,
+                                feature_bank, graphed_step, heldout_acceptance, new_draft, pack, sample_top_p,
+                                save_dflash, self_written_prompts, steps_in_budget, target_block_logits, train,
+                                user_turn_prefix)
 from engine.workloads import heldout_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +126,53 @@ def test_training_features_are_the_targets_hidden_states(tiny_checkpoints, name)
     torch.testing.assert_close(feats, torch.cat([ref.hidden_states[i + 1] for i in layers], -1), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final, ref.last_hidden_state, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close((final, feats), prefill, rtol=1e-5, atol=1e-5)
+
+
+def test_feature_bank_rows_are_the_targets_features_of_each_batch(tiny_checkpoints):
+    """Features computed once for all sequences (feature_bank, in chunks, the last one padded) and gathered for a
+    batch (bank_rows) equal the target's forward over that batch at every real position; padding repeats each
+    sequence's last row."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    g = torch.Generator().manual_seed(0)
+    lengths = (5, 9, 7, 12, 6)
+    data = [dict(ids=torch.randint(target.model.cfg.vocab_size, (n,), generator=g).tolist(), prompt_len=2)
+            for n in lengths]
+    packed = pack(data, torch.device("cpu"))
+    layers = (0, 2)
+    bank, starts = feature_bank(target.model, packed, layers, batch=2, log=lambda *a: None)
+    assert bank.shape == (sum(lengths), len(layers) * target.model.cfg.hidden_size)
+    idx = torch.tensor([3, 0, 4, 3])
+    tokens = packed[0][idx]
+    want, _ = _features(target.model, tokens, layers)
+    got = bank[bank_rows(packed, starts, idx)]
+    real = torch.arange(tokens.shape[1]) < packed[1][idx, None]
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1, 5:], got[1, 4:5].expand(7, -1))  # sequence 0: 5 positions, padded to 12
+
+
+def test_training_from_the_feature_bank_follows_features_in_every_step(tiny_checkpoints, tmp_path, monkeypatch):
+    """The same data and batches train to the same draft whether the features come from the bank or from the target
+    in every step (the fallback when the bank does not fit), up to float32 rounding."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    weights, logs = {}, []
+    for mode, share in (("bank", train_draft.FEATURE_BANK_SHARE), ("every step", 0.0)):
+        monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", share)
+        out = tmp_path / mode
+        if mode == "every step":  # the same data
+            out.mkdir()
+            (out / "data.pt").write_bytes((tmp_path / "bank" / "data.pt").read_bytes())
+        settings = TrainSettings(out=str(out), layers=1, block_size=4, prompts=12, new_tokens=12, gen_batch=6,
+                                 steps=4, batch=3, anchors=3, warmup=1, save_every=4, self_written=0.0)
+        train(target, settings, torch.device("cpu"), log=logs.append)
+        weights[mode] = torch.load(out / "checkpoint.pt")["draft"]
+    assert any(line.startswith("features: ") and "computed once" in line for line in logs)
+    assert any(line.startswith("features: the target runs in every step") for line in logs)
+    init = new_draft(target, settings, 0).state_dict()  # seeded: the runs' starting weights
+    assert sum((w - init[name]).abs().sum() for name, w in weights["bank"].items()) > 0
+    for name, w in weights["bank"].items():
+        torch.testing.assert_close(w, weights["every step"][name], rtol=1e-4, atol=1e-5)
 
 
 def test_distillation_teacher_is_the_targets_next_token_distribution(tiny_checkpoints):
@@ -341,3 +390,33 @@ def test_train_draft_rejects_bad_settings(tmp_path):
                            "--distill", "-0.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--distill is the KL's share" in proc.stderr
     assert not (tmp_path / "x").exists()
+    for bad, message in ((["--minutes", "-1"], "--minutes is a time budget"),
+                         (["--minutes", "5", "--resume"], "--minutes sets the step count"),
+                         (["--warmup", "-1"], "--warmup must be >= 0")):
+        proc = subprocess.run([sys.executable, "-m", "engine", "train-draft", "--out", str(tmp_path / "x"), *bad],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert not (tmp_path / "x").exists()
+
+
+def test_steps_in_budget_fit_the_time_left():
+    settings = TrainSettings(out="", steps=10_000, minutes=10)
+    assert steps_in_budget(settings, 220, rate=20.0, elapsed_s=100.0) == 220 + int(0.95 * 20.0 * 500)
+    assert steps_in_budget(settings, 220, rate=100.0, elapsed_s=100.0) == 10_000  # --steps caps it
+    assert steps_in_budget(settings, 220, rate=20.0, elapsed_s=700.0) == 220  # over the budget: stop now
+
+
+@pytest.mark.slow
+def test_train_with_a_spent_time_budget_stops_after_measuring_its_rate(tiny_checkpoints, tmp_path, monkeypatch):
+    """--minutes: the run measures its rate over RATE_WINDOW, logs the step count, and trains no further when the
+    budget is spent (here by the data alone); the checkpoint and the draft are those of the last step."""
+    monkeypatch.setattr(train_draft, "RATE_WINDOW", (2, 4))
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    settings = TrainSettings(out=str(tmp_path / "run"), layers=1, block_size=4, prompts=6, new_tokens=8,
+                             gen_batch=6, steps=1000, minutes=0.0001, batch=2, anchors=2, warmup=1, save_every=500)
+    logs = []
+    train(target, settings, torch.device("cpu"), log=logs.append)
+    assert any(line.startswith("time budget 0.0001 min: ") and line.endswith(" 4 steps") for line in logs), logs
+    assert settings.steps == 4 and torch.load(tmp_path / "run" / "checkpoint.pt")["step"] == 4
+    assert (tmp_path / "run" / "draft" / "config.json").exists()

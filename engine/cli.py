@@ -265,8 +265,14 @@ def cmd_train_draft(args) -> int:
                              out=args.out)
     for name in ("layers", "prompts", "new_tokens", "gen_batch", "steps", "batch", "anchors", "save_every",
                  "eval_tokens", "warmup"):
-        if getattr(settings, name) < (0 if name == "warmup" else 1):
-            raise EngineError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}")
+        least = 0 if name == "warmup" else 1
+        if getattr(settings, name) < least:
+            raise EngineError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(settings, name)}")
+    if settings.minutes < 0:
+        raise EngineError(f"--minutes is a time budget, 0 for none; got {settings.minutes}")
+    if settings.minutes and args.resume:
+        raise EngineError("--minutes sets the step count in a run's first minutes, so it cannot resume a run: "
+                          "pass --resume with the --steps that run logged")
     if settings.block_size < 2 or settings.lr <= 0 or settings.gamma <= 0:
         raise EngineError("--block-size must be >= 2, --lr and --gamma > 0")
     if not 0 <= settings.distill <= 1:

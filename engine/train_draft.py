@@ -1,7 +1,7 @@
 """`python -m engine train-draft`: train a DFlash draft for a target from the target's own greedy outputs.
 
 1. Data: prompts, then the target's answers. Prompts come from engine/corpus.py's templates (seeded random ids
-   for a target without a tokenizer); a share (--self-written, default 0.5) the target writes itself:
+   for a target without a tokenizer); a share (--self-written, default 0.75) the target writes itself:
    after its chat template's user-turn header and a seeded opener ("Explain", "How do I", ...), it samples the
    rest of a user request (top-p 0.95), so the requests range over what the target knows, not over the templates'
    slots. All are answered greedily in the target's chat template. Both by the engine's own model
@@ -9,15 +9,15 @@
    GPUs), each answer for the full --new-tokens, past end-of-sequence. Saved once in OUT/data.pt, so a resumed
    run does not generate again.
 2. Training, as the DFlash paper does: the target's hidden states after `target_layer_ids` are the context features
-   (computed on the fly by the engine's own frozen model, as at inference); in each sequence, random anchor
-   positions p in the answer; the block [token p, mask, ..., mask] at positions p..p+B-1 sees the context features
-   of positions < p and itself (non-causal) and predicts tokens p+1..p+B-1 in one pass; cross-entropy against the
-   target's greedy tokens, weighted exp(-(j - 1) / gamma) by block position j; a share W (--distill W, default 0) of
-   it replaced by the KL divergence to the target's whole next-token distribution at each label (its final hidden
-   state at the position before, through the LM head): soft targets that also rank the runner-up tokens DDTree
-   branches on. The target's embedding and LM head are borrowed and frozen, as at inference. Batches are drawn on
-   the device. AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs, where each step's forward
-   and backward replay as one CUDA graph.
+   (from the engine's own frozen model, as at inference; computed once for all sequences when they fit in memory); in
+   each sequence, random anchor positions p in the answer; the block [token p, mask, ..., mask] at positions p..p+B-1
+   sees the context features of positions < p and itself (non-causal) and predicts tokens p+1..p+B-1 in one pass;
+   cross-entropy against the target's greedy tokens, weighted exp(-(j - 1) / gamma) by block position j; a share W
+   (--distill W, default 0) of it replaced by the KL divergence to the target's whole next-token distribution at each
+   label (its final hidden state at the position before, through the LM head): soft targets that also rank the
+   runner-up tokens DDTree branches on. The target's embedding and LM head are borrowed and frozen, as at inference.
+   Batches are drawn on the device. AdamW with warm-up and cosine decay, a fixed seed, bf16 autocast on GPUs, where
+   each step's forward and backward replay as one CUDA graph.
 3. Checkpoints every --save-every steps (OUT/checkpoint.pt, written atomically; --resume continues from it) and
    the draft in the public DFlash format (OUT/draft/: config.json + model.safetensors, or HF-style shards of at
    most 12 MB with an index), which `--draft OUT/draft` loads. At the end, the held-out acceptance: tau of DFlash
@@ -62,7 +62,10 @@ class TrainSettings:
     prompts: int = _setting(40960, "training prompts, each answered by the target")
     new_tokens: int = _setting(256, "greedy answer tokens per prompt (past end-of-sequence)")
     gen_batch: int = _setting(2048, "prompts per batch while the target answers them")
-    steps: int = _setting(24500, "optimizer steps")
+    steps: int = _setting(24500, "optimizer steps (with --minutes: at most)")
+    minutes: float = _setting(0.0, "if > 0, a time budget for the data and the steps together: the run measures its "
+                                   "step rate and sets the step count that ends within it (logged, and saved in "
+                                   "summary.json)")
     batch: int = _setting(32, "sequences per step")
     anchors: int = _setting(32, "random anchors (blocks) per sequence")
     lr: float = _setting(6e-4, "peak learning rate (linear warm-up, cosine to a tenth)")
@@ -350,6 +353,72 @@ def _batch(packed, idx: torch.Tensor, n_anchors: int, gen: torch.Generator):
     return tokens, lengths, anchors
 
 
+# The share of the device's free memory that the feature bank may take: the step's own buffers need the rest. The
+# default recipe's bank: about 13 M positions x 5 layers x 576 bfloat16 values, some 75 GB.
+FEATURE_BANK_SHARE = 0.7
+
+
+@torch.no_grad()
+def feature_bank(model: Transformer, packed, layers: tuple[int, ...], batch: int, log=print
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The target's context features at every position of every packed sequence, computed once: (bank [sum of
+    lengths, len(layers) * hidden], start row of each sequence). The target is frozen, so running it in every step
+    recomputes the same rows (10.4 of a 36.8 ms step on the H200). None, with a log line, when the bank would take
+    more than FEATURE_BANK_SHARE of the device's free memory; train() then runs the target in every step."""
+    from tqdm import tqdm
+
+    tokens, lengths, _ = packed
+    N, W = tokens.shape
+    dev, dtype = tokens.device, model.embed_tokens.weight.dtype
+    width = len(layers) * model.cfg.hidden_size
+    need = int(lengths.sum()) * width * dtype.itemsize
+    if dev.type == "cuda":  # free on the device, plus what PyTorch holds unused (the data's caches and graphs)
+        free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > FEATURE_BANK_SHARE * free:
+        log(f"features: the target runs in every step (computing them once would take {need / 2**30:.1f} GiB, "
+            f"{free / 2**30:.1f} GiB free)")
+        return None
+    t0 = time.perf_counter()
+    starts = lengths.cumsum(0) - lengths
+    bank = torch.empty(need // (width * dtype.itemsize), width, dtype=dtype, device=dev)
+    cache = model.new_cache(W, batch=batch)
+    positions = torch.arange(W, device=dev).expand(batch, W)
+    first = starts.tolist()
+    for lo in tqdm(range(0, N, batch), desc="target features", unit="batch", file=sys.stderr):
+        chunk = tokens[lo:lo + batch]
+        n = len(chunk)
+        if n < batch:  # the cache's batch is fixed: pad the last chunk with copies of its first row
+            chunk = torch.cat((chunk, chunk[:1].expand(batch - n, W)))
+        _, feats = model(chunk, positions, cache, None, capture=layers)
+        real = torch.arange(W, device=dev) < lengths[lo:lo + n, None]
+        rows = feats[:n][real]  # each sequence's positions in order, the sequences one after another
+        bank[first[lo]:first[lo] + len(rows)] = rows
+    log(f"features: {len(bank)} positions x {width} computed once ({need / 2**30:.1f} GiB, "
+        f"{time.perf_counter() - t0:.0f} s)")
+    return bank, starts
+
+
+def bank_rows(packed, starts: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The feature-bank row of every position of sequences idx [b, W]. Positions past a sequence's end repeat its
+    last row: padding, never in a real position's context."""
+    lengths, W = packed[1][idx], packed[0].shape[1]
+    offsets = torch.arange(W, device=idx.device).minimum(lengths[:, None] - 1)
+    return starts[idx, None] + offsets
+
+
+# Steps of a run between which a time budget (--minutes) measures the step rate: after the CUDA graph's warm-up.
+RATE_WINDOW = (20, 220)
+
+
+def steps_in_budget(settings: TrainSettings, step: int, rate: float, elapsed_s: float) -> int:
+    """The step count that ends the run within settings.minutes: what the measured rate fits in the time left, less
+    5% for checkpoints and jitter; never more than settings.steps, never fewer than the steps done."""
+    left = settings.minutes * 60 - elapsed_s
+    return max(step, min(settings.steps, step + int(0.95 * rate * left)))
+
+
 def _lr(step: int, settings: TrainSettings) -> float:
     if step < settings.warmup:
         return settings.lr * (step + 1) / settings.warmup
@@ -477,13 +546,21 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
     packed = pack(data, device)
     # the context features as at inference, from the engine's own blocks and kernels: whole sequences, causal (no
     # node_mask), in a cache of the packed width that every batch has. Padding at the end never reaches a real row.
-    width = packed[0].shape[1]
-    feature_cache = model.new_cache(width, batch=settings.batch)
-    positions = torch.arange(width, device=device).expand(settings.batch, width)
+    # Computed once for all sequences when they fit (feature_bank), else in every step; distillation also needs
+    # the target's final hidden states, so it runs the target in every step.
+    layers = draft.dcfg.target_layer_ids
+    bank = feature_bank(model, packed, layers, settings.batch, log) if settings.distill == 0 else None
+    if bank is None:
+        width = packed[0].shape[1]
+        feature_cache = model.new_cache(width, batch=settings.batch)
+        positions = torch.arange(width, device=device).expand(settings.batch, width)
 
-    def loss_and_grads(tokens, lengths, anchors):
-        with torch.no_grad():
-            final_hidden, feats = model(tokens, positions, feature_cache, None, capture=draft.dcfg.target_layer_ids)
+    def loss_and_grads(tokens, lengths, anchors, rows=None):
+        if rows is not None:
+            final_hidden, feats = None, bank[0][rows]
+        else:
+            with torch.no_grad():
+                final_hidden, feats = model(tokens, positions, feature_cache, None, capture=layers)
         # no autocast weight cache: a CUDA graph must not keep casts made during its capture
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32, cache_enabled=False):
             logits = draft_logits_train(draft, rotary, embed_w, head_w, feats, tokens, anchors)
@@ -501,7 +578,8 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
 
     def next_batch():
         idx = torch.randint(len(data), (settings.batch,), generator=gen, device=device)
-        return _batch(packed, idx, settings.anchors, gen)
+        batch = _batch(packed, idx, settings.anchors, gen)
+        return batch if bank is None else (*batch, bank_rows(packed, bank[1], idx))
 
     draft.train()
     batch = next_batch()
@@ -528,6 +606,15 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         opt.step()
         step += 1
         bar.update()
+        if settings.minutes > 0 and step - first_step in RATE_WINDOW:  # two host waits in the whole run
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if step - first_step == RATE_WINDOW[0]:
+                t_rate = time.perf_counter()
+            else:
+                rate = (RATE_WINDOW[1] - RATE_WINDOW[0]) / (time.perf_counter() - t_rate)
+                settings.steps = bar.total = steps_in_budget(settings, step, rate, time.perf_counter() - t0)
+                log(f"time budget {settings.minutes:g} min: {rate:.2f} steps/s measured, {settings.steps} steps")
         if step % 10 == 0 or step == settings.steps:  # .item() waits for the GPU: not every step
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{right.item():.2f}")
         if step % settings.save_every == 0 or step == settings.steps:
