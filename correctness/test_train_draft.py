@@ -295,11 +295,12 @@ def test_graphed_step_replays_each_new_batch_on_the_current_weights():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoints, tmp_path):
-    """train() captures its step without falling back to eager, and on the same data and batches ends near the
-    eager run's draft. Only near: in bfloat16 autocast, Adam turns rounding differences in small gradients into
-    whole steps (on the H200, 6 steps at lr 1e-2 left the first norm weight 0.0013 apart for 0.0234 moved).
-    graphed_step's own test checks the replay exactly."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-pass", "compiled-pass"])
+def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoints, tmp_path, compiled):
+    """train() captures its step without falling back to eager (with --compile too: torch.compile's code inside the
+    graph), and on the same data and batches ends near the eager run's draft. Only near: in bfloat16 autocast, Adam
+    turns rounding differences in small gradients into whole steps (on the H200, 6 steps at lr 1e-2 left the first
+    norm weight 0.0013 apart for 0.0234 moved). graphed_step's own test checks the replay exactly."""
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cuda", torch.bfloat16)
     init = new_draft(target, TrainSettings(out="", layers=1, block_size=4), 0).state_dict()
@@ -310,7 +311,8 @@ def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoin
             out.mkdir()
             (out / "data.pt").write_bytes((tmp_path / "graphed-True" / "data.pt").read_bytes())
         settings = TrainSettings(out=str(out), layers=1, block_size=4, prompts=12, new_tokens=12, gen_batch=6,
-                                 steps=6, batch=3, anchors=3, warmup=1, lr=1e-2, save_every=6)
+                                 steps=6, batch=3, anchors=3, warmup=1, lr=1e-2, save_every=6,
+                                 compile=compiled and graphed)
         logs = []
         train(target, settings, torch.device("cuda"), log=logs.append, cuda_graph=graphed)
         assert not any("without a CUDA graph" in line for line in logs)

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(TrainSettings):
         if f.name != "out":
             value = getattr(d, f.name)
-            t.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value,
+            kind = dict(action=argparse.BooleanOptionalAction) if isinstance(value, bool) else dict(type=type(value))
+            t.add_argument(f"--{f.name.replace('_', '-')}", default=value, **kind,
                            help=f"{f.metadata['help']} (default: %(default)s)")
     return parser
 

@@ -74,6 +74,8 @@ class TrainSettings:
     self_written: float = _setting(0.75, "share of the prompts the target writes itself (the rest from templates)")
     distill: float = _setting(0.0, "share of the loss that is the KL to the target's next-token distribution "
                                    "(the rest: cross-entropy on its argmax)")
+    compile: bool = _setting(False, "compile the draft's training pass with torch.compile, which fuses its "
+                                    "elementwise work (GPUs only)")
     save_every: int = _setting(1000, "steps between checkpoints (about 270 MB each with the optimizer state)")
     seed: int = _setting(0, "seed of the data and of training")
     eval_tokens: int = _setting(HELDOUT_TOKENS, "new tokens per held-out prompt in the summary (as the perf "
@@ -555,6 +557,10 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         feature_cache = model.new_cache(width, batch=settings.batch)
         positions = torch.arange(width, device=device).expand(settings.batch, width)
 
+    draft_pass = draft_logits_train
+    if settings.compile and device.type == "cuda":  # compiled in the first call: the CUDA graph's warm-up
+        draft_pass = torch.compile(draft_logits_train)
+
     def loss_and_grads(tokens, lengths, anchors, rows=None):
         if rows is not None:
             final_hidden, feats = None, bank[0][rows]
@@ -563,7 +569,7 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
                 final_hidden, feats = model(tokens, positions, feature_cache, None, capture=layers)
         # no autocast weight cache: a CUDA graph must not keep casts made during its capture
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32, cache_enabled=False):
-            logits = draft_logits_train(draft, rotary, embed_w, head_w, feats, tokens, anchors)
+            logits = draft_pass(draft, rotary, embed_w, head_w, feats, tokens, anchors)
             teacher = None
             if settings.distill > 0:
                 with torch.no_grad():
