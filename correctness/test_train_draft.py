@@ -419,6 +419,6 @@ def test_train_with_a_spent_time_budget_stops_after_measuring_its_rate(tiny_chec
                              gen_batch=6, steps=1000, minutes=0.0001, batch=2, anchors=2, warmup=1, save_every=500)
     logs = []
     train(target, settings, torch.device("cpu"), log=logs.append)
-    assert any(line.startswith("time budget 0.0001 min: ") and line.endswith(" 4 steps") for line in logs), logs
+    assert any(line.startswith("time budget 0.0001 min: ") and line.endswith(": 4 steps in all") for line in logs), logs
     assert settings.steps == 4 and torch.load(tmp_path / "run" / "checkpoint.pt")["step"] == 4
     assert (tmp_path / "run" / "draft" / "config.json").exists()

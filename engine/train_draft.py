@@ -618,9 +618,11 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
             if step - first_step == RATE_WINDOW[0]:
                 t_rate = time.perf_counter()
             else:
+                used = time.perf_counter() - t0
                 rate = (RATE_WINDOW[1] - RATE_WINDOW[0]) / (time.perf_counter() - t_rate)
-                settings.steps = bar.total = steps_in_budget(settings, step, rate, time.perf_counter() - t0)
-                log(f"time budget {settings.minutes:g} min: {rate:.2f} steps/s measured, {settings.steps} steps")
+                settings.steps = bar.total = steps_in_budget(settings, step, rate, used)
+                log(f"time budget {settings.minutes:g} min: {used:.0f} s used by the data and {step} steps, "
+                    f"{rate:.2f} steps/s measured: {settings.steps} steps in all")
         if step % 10 == 0 or step == settings.steps:  # .item() waits for the GPU: not every step
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{right.item():.2f}")
         if step % settings.save_every == 0 or step == settings.steps:
