@@ -19,8 +19,8 @@ from engine.model import Rotary
 from engine import train_draft
 from engine.train_draft import (TrainSettings, _batch, bank_rows, block_loss, continue_prompts, draft_logits_train,
                                 feature_bank, graphed_step, heldout_acceptance, new_draft, pack, sample_top_p,
-                                save_dflash, self_written_prompts, steps_in_budget, target_block_logits, train,
-                                user_turn_prefix)
+                                save_dflash, self_written_prompts, steps_in_budget, target_block_logits,
+                                target_features, train, user_turn_prefix)
 from engine.workloads import heldout_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +34,8 @@ def _hf_target(target):
 
 
 def _features(model, tokens, layers):
-    """Training's context features: the target's forward over whole sequences (no node_mask), as train() runs it."""
-    N, L = tokens.shape
-    final, feats = model(tokens, torch.arange(L).expand(N, L), model.new_cache(L, batch=N), None, capture=layers)
+    """Training's context features and final hidden states, from target_features as train() runs it."""
+    final, feats = target_features(model, tokens.shape[1], tokens.shape[0], layers)(tokens)
     return feats, final
 
 
@@ -151,28 +150,42 @@ def test_feature_bank_rows_are_the_targets_features_of_each_batch(tiny_checkpoin
     assert torch.equal(got[1, 5:], got[1, 4:5].expand(7, -1))  # sequence 0: 5 positions, padded to 12
 
 
+def _train_on_one_dataset(target, tmp_path, device: str, variants: dict, **recipe) -> dict:
+    """train() once per variant {name: (TrainSettings overrides, train() options, set-up to call first)}, each on
+    the first variant's data.pt, so that all see the same data and (by the seed) the same batches. Returns {name:
+    (the final checkpoint's draft weights, the log lines)}."""
+    runs = {}
+    for name, (overrides, options, setup) in variants.items():
+        out = tmp_path / name
+        if runs:
+            out.mkdir()
+            (out / "data.pt").write_bytes((tmp_path / next(iter(runs)) / "data.pt").read_bytes())
+        setup()
+        logs = []
+        train(target, TrainSettings(out=str(out), **recipe, **overrides), torch.device(device), log=logs.append,
+              **options)
+        runs[name] = (torch.load(out / "checkpoint.pt")["draft"], logs)
+    return runs
+
+
 def test_training_from_the_feature_bank_follows_features_in_every_step(tiny_checkpoints, tmp_path, monkeypatch):
     """The same data and batches train to the same draft whether the features come from the bank or from the target
     in every step (the fallback when the bank does not fit), up to float32 rounding."""
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
-    weights, logs = {}, []
-    for mode, share in (("bank", train_draft.FEATURE_BANK_SHARE), ("every step", 0.0)):
-        monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", share)
-        out = tmp_path / mode
-        if mode == "every step":  # the same data
-            out.mkdir()
-            (out / "data.pt").write_bytes((tmp_path / "bank" / "data.pt").read_bytes())
-        settings = TrainSettings(out=str(out), layers=1, block_size=4, prompts=12, new_tokens=12, gen_batch=6,
-                                 steps=4, batch=3, anchors=3, warmup=1, save_every=4, self_written=0.0)
-        train(target, settings, torch.device("cpu"), log=logs.append)
-        weights[mode] = torch.load(out / "checkpoint.pt")["draft"]
-    assert any(line.startswith("features: ") and "computed once" in line for line in logs)
-    assert any(line.startswith("features: the target runs in every step") for line in logs)
-    init = new_draft(target, settings, 0).state_dict()  # seeded: the runs' starting weights
-    assert sum((w - init[name]).abs().sum() for name, w in weights["bank"].items()) > 0
-    for name, w in weights["bank"].items():
-        torch.testing.assert_close(w, weights["every step"][name], rtol=1e-4, atol=1e-5)
+    share = train_draft.FEATURE_BANK_SHARE
+    recipe = dict(layers=1, block_size=4, prompts=12, new_tokens=12, gen_batch=6, steps=4, batch=3, anchors=3,
+                  warmup=1, save_every=4, self_written=0.0)
+    runs = _train_on_one_dataset(target, tmp_path, "cpu", {
+        "bank": ({}, {}, lambda: monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", share)),
+        "every step": ({}, {}, lambda: monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", 0.0))}, **recipe)
+    (bank, bank_logs), (every_step, every_step_logs) = runs["bank"], runs["every step"]
+    assert any(line.startswith("features: ") and "computed once" in line for line in bank_logs)
+    assert any(line.startswith("features: the target runs in every step") for line in every_step_logs)
+    init = new_draft(target, TrainSettings(out="", **recipe), 0).state_dict()  # seeded: the runs' starting weights
+    assert sum((w - init[name]).abs().sum() for name, w in bank.items()) > 0
+    for name, w in bank.items():
+        torch.testing.assert_close(w, every_step[name], rtol=1e-4, atol=1e-5)
 
 
 def test_distillation_teacher_is_the_targets_next_token_distribution(tiny_checkpoints):
@@ -304,21 +317,15 @@ def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoin
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cuda", torch.bfloat16)
     init = new_draft(target, TrainSettings(out="", layers=1, block_size=4), 0).state_dict()
-    weights = {}
-    for graphed in (True, False):
-        out = tmp_path / f"graphed-{graphed}"
-        if not graphed:  # the same data
-            out.mkdir()
-            (out / "data.pt").write_bytes((tmp_path / "graphed-True" / "data.pt").read_bytes())
-        settings = TrainSettings(out=str(out), layers=1, block_size=4, prompts=12, new_tokens=12, gen_batch=6,
-                                 steps=6, batch=3, anchors=3, warmup=1, lr=1e-2, save_every=6,
-                                 compile=compiled and graphed)
-        logs = []
-        train(target, settings, torch.device("cuda"), log=logs.append, cuda_graph=graphed)
-        assert not any("without a CUDA graph" in line for line in logs)
-        weights[graphed] = torch.load(out / "checkpoint.pt")["draft"]
-    moved = sum((weights[False][n].cpu() - start).abs().sum() for n, start in init.items())
-    apart = sum((weights[True][n] - weights[False][n]).abs().sum().cpu() for n in init)
+    runs = _train_on_one_dataset(target, tmp_path, "cuda", {
+        "graphed": (dict(compile=compiled), dict(cuda_graph=True), lambda: None),
+        "eager": ({}, dict(cuda_graph=False), lambda: None)},
+        layers=1, block_size=4, prompts=12, new_tokens=12, gen_batch=6, steps=6, batch=3, anchors=3, warmup=1,
+        lr=1e-2, save_every=6)
+    assert not any("without a CUDA graph" in line for line in runs["graphed"][1])
+    graphed, eager = runs["graphed"][0], runs["eager"][0]
+    moved = sum((eager[n].cpu() - start).abs().sum() for n, start in init.items())
+    apart = sum((graphed[n] - eager[n]).abs().sum().cpu() for n in init)
     assert moved > 0 and apart < 0.25 * moved
 
 

@@ -355,6 +355,15 @@ def _batch(packed, idx: torch.Tensor, n_anchors: int, gen: torch.Generator):
     return tokens, lengths, anchors
 
 
+def target_features(model: Transformer, width: int, batch: int, layers: tuple[int, ...]):
+    """fn(tokens [batch, width]) -> (final hidden states, context features of `layers`): the target's forward over
+    whole sequences from position 0, causal (no node_mask), the same blocks and kernels as at inference, in one cache
+    of that shape reused by every call. Padding at the end never reaches a real row."""
+    cache = model.new_cache(width, batch=batch)
+    positions = torch.arange(width, device=model.device).expand(batch, width)
+    return lambda tokens: model(tokens, positions, cache, None, capture=layers)
+
+
 # The share of the device's free memory that the feature bank may take: the step's own buffers need the rest. The
 # default recipe's bank: about 13 M positions x 5 layers x 576 bfloat16 values, some 75 GB.
 FEATURE_BANK_SHARE = 0.7
@@ -372,8 +381,8 @@ def feature_bank(model: Transformer, packed, layers: tuple[int, ...], batch: int
     tokens, lengths, _ = packed
     N, W = tokens.shape
     dev, dtype = tokens.device, model.embed_tokens.weight.dtype
-    width = len(layers) * model.cfg.hidden_size
-    need = int(lengths.sum()) * width * dtype.itemsize
+    positions, width = int(lengths.sum()), len(layers) * model.cfg.hidden_size
+    need = positions * width * dtype.itemsize
     if dev.type == "cuda":  # free on the device, plus what PyTorch holds unused (the data's caches and graphs)
         free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     else:
@@ -384,20 +393,19 @@ def feature_bank(model: Transformer, packed, layers: tuple[int, ...], batch: int
         return None
     t0 = time.perf_counter()
     starts = lengths.cumsum(0) - lengths
-    bank = torch.empty(need // (width * dtype.itemsize), width, dtype=dtype, device=dev)
-    cache = model.new_cache(W, batch=batch)
-    positions = torch.arange(W, device=dev).expand(batch, W)
+    bank = torch.empty(positions, width, dtype=dtype, device=dev)
+    features_of = target_features(model, W, batch, layers)
     first = starts.tolist()
     for lo in tqdm(range(0, N, batch), desc="target features", unit="batch", file=sys.stderr):
         chunk = tokens[lo:lo + batch]
         n = len(chunk)
         if n < batch:  # the cache's batch is fixed: pad the last chunk with copies of its first row
             chunk = torch.cat((chunk, chunk[:1].expand(batch - n, W)))
-        _, feats = model(chunk, positions, cache, None, capture=layers)
+        _, feats = features_of(chunk)
         real = torch.arange(W, device=dev) < lengths[lo:lo + n, None]
         rows = feats[:n][real]  # each sequence's positions in order, the sequences one after another
         bank[first[lo]:first[lo] + len(rows)] = rows
-    log(f"features: {len(bank)} positions x {width} computed once ({need / 2**30:.1f} GiB, "
+    log(f"features: {positions} positions x {width} computed once ({need / 2**30:.1f} GiB, "
         f"{time.perf_counter() - t0:.0f} s)")
     return bank, starts
 
@@ -546,16 +554,15 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
     embed_w, head_w = model.embed_tokens.weight, model.lm_head.weight
     rotary = Rotary(model.cfg.hf, draft.dcfg.layers.head_dim, device)
     packed = pack(data, device)
-    # the context features as at inference, from the engine's own blocks and kernels: whole sequences, causal (no
-    # node_mask), in a cache of the packed width that every batch has. Padding at the end never reaches a real row.
-    # Computed once for all sequences when they fit (feature_bank), else in every step; distillation also needs
-    # the target's final hidden states, so it runs the target in every step.
+    # the context features as at inference (target_features), computed once for all sequences when they fit
+    # (feature_bank), else in every step; distillation also needs the target's final hidden states, so it runs the
+    # target in every step.
     layers = draft.dcfg.target_layer_ids
     bank = feature_bank(model, packed, layers, settings.batch, log) if settings.distill == 0 else None
     if bank is None:
-        width = packed[0].shape[1]
-        feature_cache = model.new_cache(width, batch=settings.batch)
-        positions = torch.arange(width, device=device).expand(settings.batch, width)
+        features_of = target_features(model, packed[0].shape[1], settings.batch, layers)
+    else:
+        bank_features, bank_starts = bank
 
     draft_pass = draft_logits_train
     if settings.compile and device.type == "cuda":  # compiled in the first call: the CUDA graph's warm-up
@@ -563,10 +570,10 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
 
     def loss_and_grads(tokens, lengths, anchors, rows=None):
         if rows is not None:
-            final_hidden, feats = None, bank[0][rows]
+            final_hidden, feats = None, bank_features[rows]
         else:
             with torch.no_grad():
-                final_hidden, feats = model(tokens, positions, feature_cache, None, capture=layers)
+                final_hidden, feats = features_of(tokens)
         # no autocast weight cache: a CUDA graph must not keep casts made during its capture
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32, cache_enabled=False):
             logits = draft_pass(draft, rotary, embed_w, head_w, feats, tokens, anchors)
@@ -585,7 +592,7 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
     def next_batch():
         idx = torch.randint(len(data), (settings.batch,), generator=gen, device=device)
         batch = _batch(packed, idx, settings.anchors, gen)
-        return batch if bank is None else (*batch, bank_rows(packed, bank[1], idx))
+        return batch if bank is None else (*batch, bank_rows(packed, bank_starts, idx))
 
     draft.train()
     batch = next_batch()
@@ -618,8 +625,8 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
             if step - first_step == RATE_WINDOW[0]:
                 t_rate = time.perf_counter()
             else:
-                used = time.perf_counter() - t0
-                rate = (RATE_WINDOW[1] - RATE_WINDOW[0]) / (time.perf_counter() - t_rate)
+                now = time.perf_counter()
+                used, rate = now - t0, (RATE_WINDOW[1] - RATE_WINDOW[0]) / (now - t_rate)
                 settings.steps = bar.total = steps_in_budget(settings, step, rate, used)
                 log(f"time budget {settings.minutes:g} min: {used:.0f} s used by the data and {step} steps, "
                     f"{rate:.2f} steps/s measured: {settings.steps} steps in all")
