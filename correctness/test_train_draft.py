@@ -17,7 +17,7 @@ from engine.exactness import compare_tokens
 from engine.draft import DFlashDrafter, DraftInput
 from engine.model import Rotary
 from engine import train_draft
-from engine.train_draft import (TrainSettings, _batch, bank_rows, block_loss, continue_prompts, draft_logits_train,
+from engine.train_draft import (TrainSettings, _batch, accepted_prefix, bank_rows, block_loss, continue_prompts, draft_logits_train,
                                 feature_bank, graphed_step, heldout_acceptance, new_draft, pack, sample_top_p,
                                 save_dflash, self_written_prompts, steps_in_budget, target_block_logits,
                                 target_features, train, user_turn_prefix)
@@ -311,7 +311,8 @@ def test_graphed_step_replays_each_new_batch_on_the_current_weights():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-pass", "compiled-pass"])
 def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoints, tmp_path, compiled):
     """train() captures its step without falling back to eager (with --compile too: torch.compile's code inside the
-    graph), and on the same data and batches ends near the eager run's draft. Only near: in bfloat16 autocast, Adam
+    graph; the validation checks run between replays), and on the same data and batches ends near the eager run's
+    draft. Only near: in bfloat16 autocast, Adam
     turns rounding differences in small gradients into whole steps (on the H200, 6 steps at lr 1e-2 left the first
     norm weight 0.0013 apart for 0.0234 moved). graphed_step's own test checks the replay exactly."""
     path, _ = tiny_checkpoints["llama-gqa-untied"]
@@ -320,9 +321,11 @@ def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoin
     runs = _train_on_one_dataset(target, tmp_path, "cuda", {
         "graphed": (dict(compile=compiled), dict(cuda_graph=True), lambda: None),
         "eager": ({}, dict(cuda_graph=False), lambda: None)},
-        layers=1, block_size=4, prompts=12, new_tokens=12, gen_batch=6, steps=6, batch=3, anchors=3, warmup=1,
-        lr=1e-2, save_every=6)
+        layers=1, block_size=4, prompts=30, new_tokens=12, gen_batch=6, steps=6, batch=3, anchors=3, warmup=1,
+        lr=1e-2, save_every=3, validation=3)
     assert not any("without a CUDA graph" in line for line in runs["graphed"][1])
+    assert "validation: 3 sequences kept out of training" in runs["graphed"][1]  # checked between graph replays
+    assert any(line.startswith("trained 6 steps") and "the best validation tau" in line for line in runs["graphed"][1])
     graphed, eager = runs["graphed"][0], runs["eager"][0]
     moved = sum((eager[n].cpu() - start).abs().sum() for n, start in init.items())
     apart = sum((graphed[n] - eager[n]).abs().sum().cpu() for n in init)
@@ -401,7 +404,8 @@ def test_train_draft_rejects_bad_settings(tmp_path):
     assert not (tmp_path / "x").exists()
     for bad, message in ((["--minutes", "-1"], "--minutes is a time budget"),
                          (["--minutes", "5", "--resume"], "--minutes sets the step count"),
-                         (["--warmup", "-1"], "--warmup must be >= 0")):
+                         (["--warmup", "-1"], "--warmup must be >= 0"),
+                         (["--validation", "-1"], "--validation must be >= 0")):
         proc = subprocess.run([sys.executable, "-m", "engine", "train-draft", "--out", str(tmp_path / "x"), *bad],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -429,3 +433,54 @@ def test_train_with_a_spent_time_budget_stops_after_measuring_its_rate(tiny_chec
     assert any(line.startswith("time budget 0.0001 min: ") and line.endswith(": 4 steps in all") for line in logs), logs
     assert settings.steps == 4 and torch.load(tmp_path / "run" / "checkpoint.pt")["step"] == 4
     assert (tmp_path / "run" / "draft" / "config.json").exists()
+
+
+def test_accepted_prefix_counts_drafted_tokens_up_to_the_first_miss():
+    """Block after anchor p: its drafted tokens p+1.. count until the first that differs from the sequence's token,
+    and a position past the sequence's end is a miss."""
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 0, 0]])
+    lengths = torch.tensor([6])
+    anchors = torch.tensor([[0, 1, 3]])
+    drafted = torch.tensor([[[6, 7, 8], [0, 8, 9], [9, 10, 11]]])  # right x3; a miss first; right x2, then the end
+    logits = torch.nn.functional.one_hot(drafted, 12).float()
+    assert accepted_prefix(logits, tokens, anchors, lengths).tolist() == [[3, 0, 2]]
+
+
+@pytest.mark.slow
+def test_validation_keeps_its_sequences_out_and_writes_the_best_draft(tiny_checkpoints, tmp_path, monkeypatch):
+    """--validation: a seeded set of whole batches is never drawn for a step; every checkpoint records the validation
+    tau (validation.json, the checkpoint), and the draft written is the one of the best check, not the last."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    drawn, states = [], {}
+    real_batch, real_save = train_draft._batch, train_draft._atomic_save
+    monkeypatch.setattr(train_draft, "_batch", lambda packed, idx, *a: drawn.append(idx.tolist()) or real_batch(
+        packed, idx, *a))
+
+    def save(obj, where):
+        states[obj["step"]] = {k: v.clone() for k, v in obj["draft"].items()}
+        real_save(obj, where)
+    monkeypatch.setattr(train_draft, "_atomic_save", lambda obj, where: save(obj, where) if "step" in obj
+                        else real_save(obj, where))
+    scripted = iter([0.5, 2.0, 1.0, 0.0])  # mean accepted prefix per check: the best is the second, step 4
+    monkeypatch.setattr(train_draft, "accepted_prefix", lambda logits, tokens, anchors, lengths: torch.full(
+        anchors.shape, next(scripted)))
+    settings = TrainSettings(out=str(tmp_path / "run"), layers=1, block_size=4, prompts=20, new_tokens=8,
+                             gen_batch=10, steps=8, batch=2, anchors=2, warmup=1, save_every=2, validation=5,
+                             self_written=0.0, lr=1e-2)
+    logs = []
+    draft_dir = train(target, settings, torch.device("cpu"), log=logs.append)
+    held = torch.randperm(20, generator=torch.Generator().manual_seed(settings.seed))[:2].tolist()  # 5 -> 1 batch
+    assert "validation: 2 sequences kept out of training" in logs
+    assert sorted(drawn[0]) == sorted(held) and not set(held) & {i for idx in drawn[1:] for i in idx}
+    checks = json.loads((tmp_path / "run" / "validation.json").read_text())
+    assert checks["sequences"] == 2 and [c["step"] for c in checks["checks"]] == [2, 4, 6, 8]
+    assert [c["tau"] for c in checks["checks"]] == [1.5, 3.0, 2.0, 1.0]
+    assert torch.load(tmp_path / "run" / "checkpoint.pt")["validation"] == checks["checks"]
+    assert "step 4's, the best validation tau 3.000" in logs[-1]
+    from safetensors.torch import load_file
+
+    written = load_file(draft_dir / "model.safetensors")
+    assert any(not torch.equal(states[4][k], states[8][k]) for k in written)
+    for name, w in written.items():
+        torch.testing.assert_close(w, states[4][name].to(w.dtype), rtol=0, atol=0)

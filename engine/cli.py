@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import asdict, fields
+from pathlib import Path
 
 import torch
 
@@ -265,8 +267,8 @@ def cmd_train_draft(args) -> int:
     settings = TrainSettings(**{k: getattr(args, k) for k in asdict(TrainSettings(out="")) if k != "out"},
                              out=args.out)
     for name in ("layers", "prompts", "new_tokens", "gen_batch", "steps", "batch", "anchors", "save_every",
-                 "eval_tokens", "warmup"):
-        least = 0 if name == "warmup" else 1
+                 "eval_tokens", "warmup", "validation"):
+        least = 0 if name in ("warmup", "validation") else 1
         if getattr(settings, name) < least:
             raise EngineError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(settings, name)}")
     if settings.minutes < 0:
@@ -290,8 +292,10 @@ def cmd_train_draft(args) -> int:
     taus = heldout_acceptance(target, draft_dir, settings.eval_tokens)
     print(f"held-out acceptance ({settings.eval_tokens} new tokens): "
           + ", ".join(f"{k} tau {v:.2f}" for k, v in taus.items()))
+    checks = Path(args.out) / "validation.json"
+    validation = json.loads(checks.read_text()) if checks.exists() else None
     write_json(f"{args.out}/summary.json", dict(settings=asdict(settings), heldout_tau=taus, minutes=minutes,
-                                                draft=str(draft_dir)))
+                                                draft=str(draft_dir), validation=validation))
     return 0
 
 

@@ -46,6 +46,7 @@ from .draft import DFlashDraftModel, draft_config
 from .errors import EngineError
 from .loading import Target
 from .model import Rotary, Transformer
+from .results import write_json
 from .workloads import HELDOUT_TOKENS, heldout_prompts
 
 
@@ -77,6 +78,9 @@ class TrainSettings:
     compile: bool = _setting(False, "compile the draft's training pass with torch.compile, which fuses its "
                                     "elementwise work (GPUs only)")
     save_every: int = _setting(1000, "steps between checkpoints (about 270 MB each with the optimizer state)")
+    validation: int = _setting(0, "sequences of the data kept out of training (at most a tenth, whole batches): "
+                                  "at every checkpoint the draft's teacher-forced acceptance on them is logged and "
+                                  "the draft written is the best so far; 0: none, the last step's draft")
     seed: int = _setting(0, "seed of the data and of training")
     eval_tokens: int = _setting(HELDOUT_TOKENS, "new tokens per held-out prompt in the summary (as the perf "
                                                 "suite's held-out floor)")
@@ -305,15 +309,28 @@ def target_block_logits(final_hidden, head_w, anchors, block_size: int) -> torch
     return rows @ head_w.t()
 
 
+def block_labels(tokens, anchors, lengths, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens p+1..p+n after each anchor p [N, A, n], and whether they lie inside their sequence."""
+    N, A = anchors.shape
+    pos = anchors[..., None] + torch.arange(1, n + 1, device=tokens.device)
+    labels = tokens.gather(1, pos.clamp(max=tokens.shape[1] - 1).view(N, -1)).view(N, A, n)
+    return labels, pos < lengths[:, None, None]
+
+
+def accepted_prefix(logits, tokens, anchors, lengths) -> torch.Tensor:
+    """Teacher-forced acceptance of each block [N, A]: how many of its drafted tokens p+1.. match the target's
+    greedy tokens before the first miss (a position past the sequence's end is a miss)."""
+    labels, valid = block_labels(tokens, anchors, lengths, logits.shape[2])
+    return ((logits.argmax(-1) == labels) & valid).long().cumprod(-1).sum(-1)
+
+
 def block_loss(logits, tokens, anchors, lengths, gamma: float, teacher=None, distill: float = 0.0):
     """Weighted cross-entropy against tokens p+1..p+B-1 (positions past a sequence's end do not count); with
     `teacher` logits (target_block_logits, given when distill > 0), a share `distill` of it is the KL(teacher ||
     draft) instead. Also the share of block positions whose argmax is right."""
     N, A, Bm1, V = logits.shape
+    labels, valid = block_labels(tokens, anchors, lengths, Bm1)
     j = torch.arange(1, Bm1 + 1, device=tokens.device)
-    pos = anchors[..., None] + j                                                       # [N, A, B-1]
-    valid = pos < lengths[:, None, None]
-    labels = tokens.gather(1, pos.clamp(max=tokens.shape[1] - 1).view(N, -1)).view(N, A, Bm1)
     weight = torch.exp(-(j - 1).float() / gamma) * valid
     if teacher is None:  # one kernel pass on a GPU, no float32 copies of the logits (kernels.cross_entropy)
         per_position, argmax = cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
@@ -543,17 +560,27 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
     # fused: one launch for the whole update (the step is bound by the host)
     opt = torch.optim.AdamW(draft.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=device.type == "cuda")
-    step = 0
+    step, checks = 0, []  # checks: the validation record, {step, tau, loss} per checkpoint
     if resume and ckpt_path.exists():
         ck = torch.load(ckpt_path, map_location=device)
         draft.load_state_dict(ck["draft"])
         opt.load_state_dict(ck["optimizer"])
-        step = ck["step"]
+        step, checks = ck["step"], ck.get("validation", [])
         log(f"resuming at step {step}")
     model = target.model  # frozen; its embedding and LM head are the draft's, as at inference
     embed_w, head_w = model.embed_tokens.weight, model.lm_head.weight
     rotary = Rotary(model.cfg.hf, draft.dcfg.layers.head_dim, device)
     packed = pack(data, device)
+    # the validation sequences: a seeded choice of whole batches, never drawn for a step
+    n_val = min(settings.validation, len(data) // 10) // settings.batch * settings.batch
+    if n_val:
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(settings.seed)).to(device)
+        val_idx, train_idx = order[:n_val], order[n_val:]
+        log(f"validation: {n_val} sequences kept out of training")
+    else:
+        val_idx, train_idx = None, torch.arange(len(data), device=device)
+        if settings.validation:
+            log(f"validation: none (a tenth of {len(data)} sequences is less than one batch of {settings.batch})")
     # the context features as at inference (target_features), computed once for all sequences when they fit
     # (feature_bank), else in every step; distillation also needs the target's final hidden states, so it runs the
     # target in every step.
@@ -589,10 +616,29 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
     # batches are drawn on the device; a resumed run draws new ones
     gen = torch.Generator(device=device).manual_seed(settings.seed * 1_000_003 + step)
 
-    def next_batch():
-        idx = torch.randint(len(data), (settings.batch,), generator=gen, device=device)
-        batch = _batch(packed, idx, settings.anchors, gen)
+    def draw(idx, generator):
+        batch = _batch(packed, idx, settings.anchors, generator)
         return batch if bank is None else (*batch, bank_rows(packed, bank_starts, idx))
+
+    def next_batch():
+        return draw(train_idx[torch.randint(len(train_idx), (settings.batch,), generator=gen, device=device)], gen)
+
+    # the same validation blocks at every check: anchors drawn once, from their own seed
+    val_gen = torch.Generator(device=device).manual_seed(settings.seed + 1)
+    val_batches = [draw(val_idx[i:i + settings.batch], val_gen) for i in range(0, n_val, settings.batch)]
+
+    @torch.no_grad()
+    def validate() -> tuple[float, float]:
+        """(teacher-forced tau: 1 + the mean accepted_prefix, mean loss) over the validation blocks; eager, a few
+        batches per checkpoint."""
+        prefix, loss = 0, 0.0
+        for tokens, lengths, anchors, *rows in val_batches:
+            feats = bank_features[rows[0]] if rows else features_of(tokens)[1]
+            with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
+                logits = draft_logits_train(draft, rotary, embed_w, head_w, feats, tokens, anchors)
+                loss += block_loss(logits, tokens, anchors, lengths, settings.gamma)[0]
+            prefix += accepted_prefix(logits, tokens, anchors, lengths).sum()
+        return 1 + float(prefix) / (n_val * settings.anchors), float(loss) / len(val_batches)
 
     draft.train()
     batch = next_batch()
@@ -633,14 +679,27 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         if step % 10 == 0 or step == settings.steps:  # .item() waits for the GPU: not every step
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{right.item():.2f}")
         if step % settings.save_every == 0 or step == settings.steps:
+            best = not n_val
+            if n_val:
+                tau, val_loss = validate()
+                best = all(tau > c["tau"] for c in checks)
+                checks.append(dict(step=step, tau=tau, loss=val_loss))
+                write_json(out / "validation.json", dict(sequences=n_val, checks=checks))
+                bar.write(f"step {step}: validation tau {tau:.3f}, loss {val_loss:.3f}"
+                          + (" (best so far: draft written)" if best else ""), file=sys.stderr)
             _atomic_save(dict(draft=draft.state_dict(), optimizer=opt.state_dict(), step=step,
-                              settings=asdict(settings)), ckpt_path)
-            save_dflash(draft, target, out / "draft")
+                              settings=asdict(settings), validation=checks), ckpt_path)
+            if best:
+                save_dflash(draft, target, out / "draft")
     bar.close()
     steps_s = time.perf_counter() - t_steps
+    kept = ""
+    if checks:
+        top = max(checks, key=lambda c: c["tau"])
+        kept = f" (step {top['step']}'s, the best validation tau {top['tau']:.3f})"
     log(f"trained {settings.steps} steps; {time.perf_counter() - t0:.0f} s in this run, of which the steps "
         f"{steps_s:.0f} s ({(settings.steps - first_step) / max(steps_s, 1e-9):.2f} steps/s, checkpoints "
-        f"included); draft: {out / 'draft'}")
+        f"included); draft{kept}: {out / 'draft'}")
     return out / "draft"
 
 
