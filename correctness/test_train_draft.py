@@ -308,13 +308,17 @@ def test_graphed_step_replays_each_new_batch_on_the_current_weights():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager-pass", "compiled-pass"])
-def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoints, tmp_path, compiled):
+@pytest.mark.parametrize("compiled, bank", [(False, True), (True, True), (True, False)],
+                         ids=["eager-pass", "compiled-pass", "compiled-pass-target-every-step"])
+def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoints, tmp_path, monkeypatch, compiled,
+                                                                  bank):
     """train() captures its step without falling back to eager (with --compile too: torch.compile's code inside the
-    graph; the validation checks run between replays), and on the same data and batches ends near the eager run's
-    draft. Only near: in bfloat16 autocast, Adam
-    turns rounding differences in small gradients into whole steps (on the H200, 6 steps at lr 1e-2 left the first
-    norm weight 0.0013 apart for 0.0234 moved). graphed_step's own test checks the replay exactly."""
+    graph; with the feature bank or the target in every step; the validation checks run between replays), and on the
+    same data and batches ends near the eager run's draft. Only near: in bfloat16 autocast, Adam turns rounding
+    differences in small gradients into whole steps (on the H200, 6 steps at lr 1e-2 left the first norm weight 0.0013
+    apart for 0.0234 moved). graphed_step's own test checks the replay exactly."""
+    if not bank:
+        monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", 0.0)
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cuda", torch.bfloat16)
     init = new_draft(target, TrainSettings(out="", layers=1, block_size=4), 0).state_dict()
@@ -323,6 +327,7 @@ def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoin
         "eager": ({}, dict(cuda_graph=False), lambda: None)},
         layers=1, block_size=4, prompts=30, new_tokens=12, gen_batch=6, steps=6, batch=3, anchors=3, warmup=1,
         lr=1e-2, save_every=3, validation=3)
+    assert any(line.startswith("features: ") and ("computed once" in line) == bank for line in runs["graphed"][1])
     assert not any("without a CUDA graph" in line for line in runs["graphed"][1])
     assert "validation: 3 sequences kept out of training" in runs["graphed"][1]  # checked between graph replays
     assert any(line.startswith("trained 6 steps") and "the best validation tau" in line for line in runs["graphed"][1])
