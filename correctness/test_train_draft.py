@@ -17,10 +17,10 @@ from engine.exactness import compare_tokens
 from engine.draft import DFlashDrafter, DraftInput
 from engine.model import Rotary
 from engine import train_draft
-from engine.train_draft import (TrainSettings, _batch, accepted_prefix, bank_rows, block_loss, continue_prompts, draft_logits_train,
-                                feature_bank, graphed_step, heldout_acceptance, new_draft, pack, sample_top_p,
-                                save_dflash, self_written_prompts, steps_in_budget, target_block_logits,
-                                target_features, train, user_turn_prefix)
+from engine.train_draft import (TrainSettings, _batch, accepted_prefix, bank_rows, block_loss, continue_prompts,
+                                draft_logits_train, feature_bank, graphed_step, heldout_acceptance, new_draft, pack,
+                                sample_top_p, save_dflash, self_written_prompts, steps_in_budget,
+                                target_block_logits, target_features, train, user_turn_prefix)
 from engine.workloads import heldout_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
