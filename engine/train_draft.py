@@ -595,12 +595,13 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
     if settings.compile and device.type == "cuda":  # compiled in the first call: the CUDA graph's warm-up
         draft_pass = torch.compile(draft_logits_train)
 
+    @torch.no_grad()
+    def context_features(tokens, rows=None):
+        """(the target's final hidden states or None, context features) of a batch: its bank rows, or the target."""
+        return (None, bank_features[rows]) if rows is not None else features_of(tokens)
+
     def loss_and_grads(tokens, lengths, anchors, rows=None):
-        if rows is not None:
-            final_hidden, feats = None, bank_features[rows]
-        else:
-            with torch.no_grad():
-                final_hidden, feats = features_of(tokens)
+        final_hidden, feats = context_features(tokens, rows)
         # no autocast weight cache: a CUDA graph must not keep casts made during its capture
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32, cache_enabled=False):
             logits = draft_pass(draft, rotary, embed_w, head_w, feats, tokens, anchors)
@@ -633,7 +634,7 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         batches per checkpoint."""
         prefix, loss = 0, 0.0
         for tokens, lengths, anchors, *rows in val_batches:
-            feats = bank_features[rows[0]] if rows else features_of(tokens)[1]
+            feats = context_features(tokens, *rows)[1]
             with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
                 logits = draft_logits_train(draft, rotary, embed_w, head_w, feats, tokens, anchors)
                 loss += block_loss(logits, tokens, anchors, lengths, settings.gamma)[0]
@@ -679,7 +680,7 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         if step % 10 == 0 or step == settings.steps:  # .item() waits for the GPU: not every step
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{right.item():.2f}")
         if step % settings.save_every == 0 or step == settings.steps:
-            best = not n_val
+            best = True  # without validation: every checkpoint's draft
             if n_val:
                 tau, val_loss = validate()
                 best = all(tau > c["tau"] for c in checks)
