@@ -324,7 +324,7 @@ def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoin
     init = new_draft(target, TrainSettings(out="", layers=1, block_size=4), 0).state_dict()
     runs = _train_on_one_dataset(target, tmp_path, "cuda", {
         "graphed": (dict(compile=compiled), dict(cuda_graph=True), lambda: None),
-        "eager": ({}, dict(cuda_graph=False), lambda: None)},
+        "eager": (dict(compile=False), dict(cuda_graph=False), lambda: None)},
         layers=1, block_size=4, prompts=30, new_tokens=12, gen_batch=6, steps=6, batch=3, anchors=3, warmup=1,
         lr=1e-2, save_every=3, validation=3)
     assert any(line.startswith("features: ") and ("computed once" in line) == bank for line in runs["graphed"][1])

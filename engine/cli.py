@@ -291,7 +291,7 @@ def cmd_train_draft(args) -> int:
     minutes = (time.perf_counter() - t0) / 60
     taus = heldout_acceptance(target, draft_dir, settings.eval_tokens)
     print(f"held-out acceptance ({settings.eval_tokens} new tokens): "
-          + ", ".join(f"{k} tau {v:.2f}" for k, v in taus.items()))
+          + ", ".join(f"{k} tau {v:.3f}" for k, v in taus.items()))
     checks = Path(args.out) / "validation.json"
     validation = json.loads(checks.read_text()) if checks.exists() else None
     write_json(f"{args.out}/summary.json", dict(settings=asdict(settings), heldout_tau=taus, minutes=minutes,

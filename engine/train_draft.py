@@ -60,10 +60,10 @@ class TrainSettings:
     out: str
     layers: int = _setting(5, "draft layers, each of the target's width")
     block_size: int = _setting(16, "tokens per draft block, the anchor's own included")
-    prompts: int = _setting(40960, "training prompts, each answered by the target")
+    prompts: int = _setting(81920, "training prompts, each answered by the target")
     new_tokens: int = _setting(256, "greedy answer tokens per prompt (past end-of-sequence)")
     gen_batch: int = _setting(2048, "prompts per batch while the target answers them")
-    steps: int = _setting(24500, "optimizer steps (with --minutes: at most)")
+    steps: int = _setting(30929, "optimizer steps (with --minutes: at most)")
     minutes: float = _setting(0.0, "if > 0, a time budget for the data and the steps together: the run measures its "
                                    "step rate and sets the step count that ends within it (logged, and saved in "
                                    "summary.json)")
@@ -75,10 +75,10 @@ class TrainSettings:
     self_written: float = _setting(0.75, "share of the prompts the target writes itself (the rest from templates)")
     distill: float = _setting(0.0, "share of the loss that is the KL to the target's next-token distribution "
                                    "(the rest: cross-entropy on its argmax)")
-    compile: bool = _setting(False, "compile the draft's training pass with torch.compile, which fuses its "
+    compile: bool = _setting(True, "compile the draft's training pass with torch.compile, which fuses its "
                                     "elementwise work (GPUs only)")
     save_every: int = _setting(1000, "steps between checkpoints (about 270 MB each with the optimizer state)")
-    validation: int = _setting(0, "sequences of the data kept out of training (at most a tenth, whole batches): "
+    validation: int = _setting(512, "sequences of the data kept out of training (at most a tenth, whole batches): "
                                   "at every checkpoint the draft's teacher-forced acceptance on them is logged and "
                                   "the draft written is the best so far; 0: none, the last step's draft")
     seed: int = _setting(0, "seed of the data and of training")
