@@ -127,10 +127,40 @@ def test_training_features_are_the_targets_hidden_states(tiny_checkpoints, name)
     torch.testing.assert_close((final, feats), prefill, rtol=1e-5, atol=1e-5)
 
 
-def test_feature_bank_rows_are_the_targets_features_of_each_batch(tiny_checkpoints):
+def _float8_bound(want: torch.Tensor, layers: int) -> torch.Tensor:
+    """How far Float8Rows may round each value: 1/16 of it (3 mantissa bits), or e4m3's subnormal step at the scale
+    of its row and layer (largest magnitude / 448) for the smallest values."""
+    per_layer = want.unflatten(-1, (layers, -1))
+    scale = per_layer.abs().amax(-1, keepdim=True) / 448
+    return (per_layer.abs() / 16 + scale * 2.0 ** -9).flatten(-2)
+
+
+def test_float8_rows_round_trip_within_e4m3_rounding():
+    """Rows written into Float8Rows (values of very different sizes per layer, outlier columns included) come back,
+    gathered in any order, within e4m3's rounding of their scaled values; rows never written stay poison."""
+    g = torch.Generator().manual_seed(1)
+    layers, hidden = 3, 40
+    x = torch.randn(50, layers, hidden, generator=g) * torch.tensor([0.01, 1.0, 30.0])[:, None]
+    x[:, :, 7] *= 100  # one outlier column per layer, as real hidden states have
+    x = x.flatten(-2)
+    rows = train_draft.Float8Rows(60, layers, hidden, torch.float32, torch.device("cpu"))
+    rows.values.fill_(0x7F)  # poison: e4m3 NaN
+    rows.scales.fill_(float("nan"))
+    rows[0:30] = x[:30]
+    rows[30:50] = x[30:]
+    idx = torch.randperm(50, generator=g)[:24].view(4, 6)
+    got = rows[idx]
+    assert got.shape == (4, 6, layers * hidden) and got.dtype == torch.float32
+    assert ((got - x[idx]).abs() <= _float8_bound(x[idx], layers)).all()
+    assert ((got - x[idx]).abs() > 1e-3 * x[idx].abs()).any()  # it did round: not a float32 copy
+    assert rows[torch.tensor([55])].isnan().all()
+
+
+@pytest.mark.parametrize("storage", ["model dtype", "float8"])
+def test_feature_bank_rows_are_the_targets_features_of_each_batch(tiny_checkpoints, monkeypatch, storage):
     """Features computed once for all sequences (feature_bank, in chunks, the last one padded) and gathered for a
-    batch (bank_rows) equal the target's forward over that batch at every real position; padding repeats each
-    sequence's last row."""
+    batch (bank_rows) equal the target's forward over that batch at every real position (within e4m3 rounding when
+    only a float8 bank fits the free memory); padding repeats each sequence's last row."""
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -139,15 +169,44 @@ def test_feature_bank_rows_are_the_targets_features_of_each_batch(tiny_checkpoin
             for n in lengths]
     packed = pack(data, torch.device("cpu"))
     layers = (0, 2)
-    bank, starts = feature_bank(target.model, packed, layers, batch=2, log=lambda *a: None)
-    assert bank.shape == (sum(lengths), len(layers) * target.model.cfg.hidden_size)
+    hidden = target.model.cfg.hidden_size
+    if storage == "float8":  # memory for the float8 bank (1 byte a value, a float32 scale a row and layer) only
+        need_fp8 = sum(lengths) * len(layers) * (hidden + 4)
+        monkeypatch.setattr(train_draft, "free_memory", lambda dev: int(1.5 * need_fp8 / train_draft.FEATURE_BANK_SHARE))
+    logs = []
+    bank, starts = feature_bank(target.model, packed, layers, batch=2, log=logs.append)
+    assert bank.shape == (sum(lengths), len(layers) * hidden)
+    assert ("float8 e4m3" in logs[0]) == (storage == "float8"), logs
     idx = torch.tensor([3, 0, 4, 3])
     tokens = packed[0][idx]
     want, _ = _features(target.model, tokens, layers)
     got = bank[bank_rows(packed, starts, idx)]
     real = torch.arange(tokens.shape[1]) < packed[1][idx, None]
-    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    if storage == "float8":
+        assert ((got[real] - want[real]).abs() <= _float8_bound(want[real], len(layers))).all()
+    else:
+        torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
     assert torch.equal(got[1, 5:], got[1, 4:5].expand(7, -1))  # sequence 0: 5 positions, padded to 12
+
+
+def test_feature_bank_that_fits_nowhere_leaves_the_target_to_every_step(tiny_checkpoints, monkeypatch):
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    packed = pack([dict(ids=list(range(10, 30)), prompt_len=4)], torch.device("cpu"))
+    monkeypatch.setattr(train_draft, "free_memory", lambda dev: 1000)
+    logs = []
+    assert feature_bank(target.model, packed, (0, 1), batch=1, log=logs.append) is None
+    assert logs[0].startswith("features: the target runs in every step") and "in float8" in logs[0]
+
+
+def _room_for_a_float8_bank(data_path: Path, target, draft):
+    """A free_memory stand-in: room (at FEATURE_BANK_SHARE) for the float8 bank of the run's data, 1.5x its bytes,
+    not for one in the model's dtype (2x them and more). Asked once the run has written data_path."""
+    def free(dev):
+        positions = sum(len(d["ids"]) for d in torch.load(data_path)["data"])
+        need = positions * len(draft.dcfg.target_layer_ids) * (target.model.cfg.hidden_size + 4)
+        return int(1.5 * need / train_draft.FEATURE_BANK_SHARE)
+    return free
 
 
 def _train_on_one_dataset(target, tmp_path, device: str, variants: dict, **recipe) -> dict:
@@ -176,16 +235,30 @@ def test_training_from_the_feature_bank_follows_features_in_every_step(tiny_chec
     share = train_draft.FEATURE_BANK_SHARE
     recipe = dict(layers=1, block_size=4, prompts=12, new_tokens=12, gen_batch=6, steps=4, batch=3, anchors=3,
                   warmup=1, save_every=4, self_written=0.0)
+    start = new_draft(target, TrainSettings(out="", **recipe), 0)  # seeded: the runs' starting weights
+    init = start.state_dict()
+
+    def float8_only():
+        monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", share)
+        monkeypatch.setattr(train_draft, "free_memory", _room_for_a_float8_bank(tmp_path / "bank" / "data.pt",
+                                                                                 target, start))
+
     runs = _train_on_one_dataset(target, tmp_path, "cpu", {
         "bank": ({}, {}, lambda: monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", share)),
-        "every step": ({}, {}, lambda: monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", 0.0))}, **recipe)
+        "every step": ({}, {}, lambda: monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", 0.0)),
+        "float8 bank": ({}, {}, float8_only)}, **recipe)
     (bank, bank_logs), (every_step, every_step_logs) = runs["bank"], runs["every step"]
-    assert any(line.startswith("features: ") and "computed once" in line for line in bank_logs)
+    assert any(line.startswith("features: ") and "computed once, kept in float32" in line for line in bank_logs)
     assert any(line.startswith("features: the target runs in every step") for line in every_step_logs)
-    init = new_draft(target, TrainSettings(out="", **recipe), 0).state_dict()  # seeded: the runs' starting weights
-    assert sum((w - init[name]).abs().sum() for name, w in bank.items()) > 0
+    assert any(line.startswith("features: ") and "float8 e4m3" in line for line in runs["float8 bank"][1])
+    moved = sum((w - init[name]).abs().sum() for name, w in bank.items())
+    assert moved > 0
     for name, w in bank.items():
         torch.testing.assert_close(w, every_step[name], rtol=1e-4, atol=1e-5)
+    # the float8 bank's rounding moves the training a little (1.2% of the distance moved, here), while features
+    # shifted by one position moved it 17%
+    apart = sum((w - every_step[name]).abs().sum() for name, w in runs["float8 bank"][0].items())
+    assert apart < 0.05 * moved, (apart, moved)
 
 
 def test_distillation_teacher_is_the_targets_next_token_distribution(tiny_checkpoints):
@@ -308,26 +381,32 @@ def test_graphed_step_replays_each_new_batch_on_the_current_weights():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("compiled, bank", [(False, True), (True, True), (True, False)],
-                         ids=["eager-pass", "compiled-pass", "compiled-pass-target-every-step"])
+@pytest.mark.parametrize("compiled, bank", [(False, "bfloat16"), (True, "bfloat16"), (True, None), (True, "float8")],
+                         ids=["eager-pass", "compiled-pass", "compiled-pass-target-every-step",
+                              "compiled-pass-float8-bank"])
 def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoints, tmp_path, monkeypatch, compiled,
                                                                   bank):
     """train() captures its step without falling back to eager (with --compile too: torch.compile's code inside the
-    graph; with the feature bank or the target in every step; the validation checks run between replays), and on the
-    same data and batches ends near the eager run's draft. Only near: in bfloat16 autocast, Adam turns rounding
-    differences in small gradients into whole steps (on the H200, 6 steps at lr 1e-2 left the first norm weight 0.0013
-    apart for 0.0234 moved). graphed_step's own test checks the replay exactly."""
-    if not bank:
+    graph; with the feature bank, a float8 one, or the target in every step; the validation checks run between
+    replays), and on the same data and batches ends near the eager run's draft. Only near: in bfloat16 autocast, Adam
+    turns rounding differences in small gradients into whole steps (on the H200, 6 steps at lr 1e-2 left the first
+    norm weight 0.0013 apart for 0.0234 moved). graphed_step's own test checks the replay exactly."""
+    if bank is None:
         monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", 0.0)
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cuda", torch.bfloat16)
-    init = new_draft(target, TrainSettings(out="", layers=1, block_size=4), 0).state_dict()
+    start = new_draft(target, TrainSettings(out="", layers=1, block_size=4), 0)
+    init = start.state_dict()
+    if bank == "float8":
+        monkeypatch.setattr(train_draft, "free_memory", _room_for_a_float8_bank(tmp_path / "graphed" / "data.pt",
+                                                                                 target, start))
     runs = _train_on_one_dataset(target, tmp_path, "cuda", {
         "graphed": (dict(compile=compiled), dict(cuda_graph=True), lambda: None),
         "eager": (dict(compile=False), dict(cuda_graph=False), lambda: None)},
         layers=1, block_size=4, prompts=30, new_tokens=12, gen_batch=6, steps=6, batch=3, anchors=3, warmup=1,
         lr=1e-2, save_every=3, validation=3)
-    assert any(line.startswith("features: ") and ("computed once" in line) == bank for line in runs["graphed"][1])
+    assert any(line.startswith("features: ") and (f"kept in {bank}" in line if bank else "every step" in line)
+               for line in runs["graphed"][1])
     assert not any("without a CUDA graph" in line for line in runs["graphed"][1])
     assert "validation: 3 sequences kept out of training" in runs["graphed"][1]  # checked between graph replays
     assert any(line.startswith("trained 6 steps") and "the best validation tau" in line for line in runs["graphed"][1])

@@ -382,35 +382,68 @@ def target_features(model: Transformer, width: int, batch: int, layers: tuple[in
 
 
 # The share of the device's free memory that the feature bank may take: the step's own buffers need the rest. The
-# default recipe's bank: about 13 M positions x 5 layers x 576 bfloat16 values, some 75 GB.
+# default recipe's bank: about 26 M positions x 5 layers x 576 values, 137 GiB in bfloat16, 69 GiB in float8.
 FEATURE_BANK_SHARE = 0.7
+
+
+class Float8Rows:
+    """Feature rows [n, layers * hidden] kept as float8 e4m3 with one float32 scale per row and layer (its largest
+    magnitude maps to 448, e4m3's largest): half the bytes of bfloat16, each value within 1/16 of itself (3 mantissa
+    bits). Indexing returns the rows in `dtype`, like a plain bank tensor."""
+
+    def __init__(self, n: int, layers: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        self.values = torch.empty(n, layers, hidden, dtype=torch.uint8, device=device)  # e4m3 bits
+        self.scales = torch.empty(n, layers, 1, dtype=torch.float32, device=device)
+        self.dtype, self.shape = dtype, (n, layers * hidden)
+
+    def __setitem__(self, rows: slice, x: torch.Tensor) -> None:
+        x = x.float().unflatten(-1, self.values.shape[1:])
+        scale = x.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 448.0
+        self.values[rows] = (x / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+        self.scales[rows] = scale
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        # gathered as bytes: indexing works on uint8 everywhere, then one conversion of the rows taken
+        values = self.values[idx].view(torch.float8_e4m3fn).float()
+        return (values * self.scales[idx]).flatten(-2).to(self.dtype)
+
+
+def free_memory(dev: torch.device) -> int:
+    """Bytes the feature bank may draw on: free on the GPU plus what PyTorch holds unused (the data's caches and
+    graphs), or the host's available memory."""
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @torch.no_grad()
 def feature_bank(model: Transformer, packed, layers: tuple[int, ...], batch: int, log=print
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 ) -> tuple[torch.Tensor | Float8Rows, torch.Tensor] | None:
     """The target's context features at every position of every packed sequence, computed once: (bank [sum of
     lengths, len(layers) * hidden], start row of each sequence). The target is frozen, so running it in every step
-    recomputes the same rows (10.4 of a 36.8 ms step on the H200). None, with a log line, when the bank would take
-    more than FEATURE_BANK_SHARE of the device's free memory; train() then runs the target in every step."""
+    recomputes the same rows (10.4 of a 36.8 ms step on the H200). Kept in the model's dtype when that takes at most
+    FEATURE_BANK_SHARE of the free memory, else as Float8Rows when those fit (about twice the data); else None, with
+    a log line, and train() runs the target in every step."""
     from tqdm import tqdm
 
     tokens, lengths, _ = packed
     N, W = tokens.shape
     dev, dtype = tokens.device, model.embed_tokens.weight.dtype
-    positions, width = int(lengths.sum()), len(layers) * model.cfg.hidden_size
-    need = positions * width * dtype.itemsize
-    if dev.type == "cuda":  # free on the device, plus what PyTorch holds unused (the data's caches and graphs)
-        free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    positions, hidden = int(lengths.sum()), model.cfg.hidden_size
+    width = len(layers) * hidden
+    need, need_fp8 = positions * width * dtype.itemsize, positions * len(layers) * (hidden + 4)
+    free = free_memory(dev)
+    if need <= FEATURE_BANK_SHARE * free:
+        bank, kind = torch.empty(positions, width, dtype=dtype, device=dev), str(dtype).removeprefix("torch.")
+    elif need_fp8 <= FEATURE_BANK_SHARE * free:
+        bank, kind = Float8Rows(positions, len(layers), hidden, dtype, dev), "float8 e4m3"
+        need = need_fp8
     else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if need > FEATURE_BANK_SHARE * free:
         log(f"features: the target runs in every step (computing them once would take {need / 2**30:.1f} GiB, "
-            f"{free / 2**30:.1f} GiB free)")
+            f"{need_fp8 / 2**30:.1f} GiB in float8; {free / 2**30:.1f} GiB free)")
         return None
     t0 = time.perf_counter()
     starts = lengths.cumsum(0) - lengths
-    bank = torch.empty(positions, width, dtype=dtype, device=dev)
     features_of = target_features(model, W, batch, layers)
     first = starts.tolist()
     for lo in tqdm(range(0, N, batch), desc="target features", unit="batch", file=sys.stderr):
@@ -422,8 +455,8 @@ def feature_bank(model: Transformer, packed, layers: tuple[int, ...], batch: int
         real = torch.arange(W, device=dev) < lengths[lo:lo + n, None]
         rows = feats[:n][real]  # each sequence's positions in order, the sequences one after another
         bank[first[lo]:first[lo] + len(rows)] = rows
-    log(f"features: {positions} positions x {width} computed once ({need / 2**30:.1f} GiB, "
-        f"{time.perf_counter() - t0:.0f} s)")
+    log(f"features: {positions} positions x {width} computed once, kept in {kind} ({need / 2**30:.1f} GiB of "
+        f"{free / 2**30:.1f} GiB free, {time.perf_counter() - t0:.0f} s)")
     return bank, starts
 
 
