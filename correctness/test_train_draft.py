@@ -172,7 +172,8 @@ def test_feature_bank_rows_are_the_targets_features_of_each_batch(tiny_checkpoin
     hidden = target.model.cfg.hidden_size
     if storage == "float8":  # memory for the float8 bank (1 byte a value, a float32 scale a row and layer) only
         need_fp8 = sum(lengths) * len(layers) * (hidden + 4)
-        monkeypatch.setattr(train_draft, "free_memory", lambda dev: int(1.5 * need_fp8 / train_draft.FEATURE_BANK_SHARE))
+        room = int(1.5 * need_fp8 / train_draft.FEATURE_BANK_SHARE)
+        monkeypatch.setattr(train_draft, "free_memory", lambda dev: room)
     logs = []
     bank, starts = feature_bank(target.model, packed, layers, batch=2, log=logs.append)
     assert bank.shape == (sum(lengths), len(layers) * hidden)
