@@ -170,10 +170,9 @@ def test_feature_bank_rows_are_the_targets_features_of_each_batch(tiny_checkpoin
     packed = pack(data, torch.device("cpu"))
     layers = (0, 2)
     hidden = target.model.cfg.hidden_size
-    if storage == "float8":  # memory for the float8 bank (1 byte a value, a float32 scale a row and layer) only
-        need_fp8 = sum(lengths) * len(layers) * (hidden + 4)
-        room = int(1.5 * need_fp8 / train_draft.FEATURE_BANK_SHARE)
-        monkeypatch.setattr(train_draft, "free_memory", lambda dev: room)
+    if storage == "float8":
+        monkeypatch.setattr(train_draft, "free_memory", _room_for_a_float8_bank(lambda: sum(lengths), len(layers),
+                                                                                 hidden))
     logs = []
     bank, starts = feature_bank(target.model, packed, layers, batch=2, log=logs.append)
     assert bank.shape == (sum(lengths), len(layers) * hidden)
@@ -200,14 +199,16 @@ def test_feature_bank_that_fits_nowhere_leaves_the_target_to_every_step(tiny_che
     assert logs[0].startswith("features: the target runs in every step") and "in float8" in logs[0]
 
 
-def _room_for_a_float8_bank(data_path: Path, target, draft):
-    """A free_memory stand-in: room (at FEATURE_BANK_SHARE) for the float8 bank of the run's data, 1.5x its bytes,
-    not for one in the model's dtype (2x them and more). Asked once the run has written data_path."""
-    def free(dev):
-        positions = sum(len(d["ids"]) for d in torch.load(data_path)["data"])
-        need = positions * len(draft.dcfg.target_layer_ids) * (target.model.cfg.hidden_size + 4)
-        return int(1.5 * need / train_draft.FEATURE_BANK_SHARE)
-    return free
+def _room_for_a_float8_bank(positions, layers: int, hidden: int):
+    """A free_memory stand-in: room (at FEATURE_BANK_SHARE) for 1.5x the float8 bank of positions() positions, not
+    for one in the model's dtype (2x its bytes and more). positions() is asked when the bank is sized."""
+    return lambda dev: int(1.5 * train_draft.Float8Rows.nbytes(positions(), layers, hidden)
+                           / train_draft.FEATURE_BANK_SHARE)
+
+
+def _positions_in(data_path: Path):
+    """positions() for _room_for_a_float8_bank: the sequence positions of a run's data, once it has written them."""
+    return lambda: sum(len(d["ids"]) for d in torch.load(data_path)["data"])
 
 
 def _train_on_one_dataset(target, tmp_path, device: str, variants: dict, **recipe) -> dict:
@@ -241,8 +242,9 @@ def test_training_from_the_feature_bank_follows_features_in_every_step(tiny_chec
 
     def float8_only():
         monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", share)
-        monkeypatch.setattr(train_draft, "free_memory", _room_for_a_float8_bank(tmp_path / "bank" / "data.pt",
-                                                                                 target, start))
+        monkeypatch.setattr(train_draft, "free_memory", _room_for_a_float8_bank(
+            _positions_in(tmp_path / "bank" / "data.pt"), len(start.dcfg.target_layer_ids),
+            target.model.cfg.hidden_size))
 
     runs = _train_on_one_dataset(target, tmp_path, "cpu", {
         "bank": ({}, {}, lambda: monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", share)),
@@ -399,8 +401,9 @@ def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoin
     start = new_draft(target, TrainSettings(out="", layers=1, block_size=4), 0)
     init = start.state_dict()
     if bank == "float8":
-        monkeypatch.setattr(train_draft, "free_memory", _room_for_a_float8_bank(tmp_path / "graphed" / "data.pt",
-                                                                                 target, start))
+        monkeypatch.setattr(train_draft, "free_memory", _room_for_a_float8_bank(
+            _positions_in(tmp_path / "graphed" / "data.pt"), len(start.dcfg.target_layer_ids),
+            target.model.cfg.hidden_size))
     runs = _train_on_one_dataset(target, tmp_path, "cuda", {
         "graphed": (dict(compile=compiled), dict(cuda_graph=True), lambda: None),
         "eager": (dict(compile=False), dict(cuda_graph=False), lambda: None)},

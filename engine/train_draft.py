@@ -396,6 +396,11 @@ class Float8Rows:
         self.scales = torch.empty(n, layers, 1, dtype=torch.float32, device=device)
         self.dtype, self.shape = dtype, (n, layers * hidden)
 
+    @staticmethod
+    def nbytes(n: int, layers: int, hidden: int) -> int:
+        """What Float8Rows(n, layers, hidden) takes: a byte per value, a float32 scale per row and layer."""
+        return n * layers * (hidden + 4)
+
     def __setitem__(self, rows: slice, x: torch.Tensor) -> None:
         x = x.float().unflatten(-1, self.values.shape[1:])
         scale = x.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 448.0
@@ -431,7 +436,7 @@ def feature_bank(model: Transformer, packed, layers: tuple[int, ...], batch: int
     dev, dtype = tokens.device, model.embed_tokens.weight.dtype
     positions, hidden = int(lengths.sum()), model.cfg.hidden_size
     width = len(layers) * hidden
-    need, need_fp8 = positions * width * dtype.itemsize, positions * len(layers) * (hidden + 4)
+    need, need_fp8 = positions * width * dtype.itemsize, Float8Rows.nbytes(positions, len(layers), hidden)
     free = free_memory(dev)
     if need <= FEATURE_BANK_SHARE * free:
         bank, kind = torch.empty(positions, width, dtype=dtype, device=dev), str(dtype).removeprefix("torch.")

@@ -5,6 +5,7 @@ tensor-parallel width, model pair, workload, length and method.
 
 writes or updates the floors from a run's results (perf/floors.json by default; atomic). tok/s floors are kept
 for GPUs only (a CPU's timings are not a gate); tau floors hold on CPUs too (greedy decoding is deterministic).
+A floor with "pinned": true is a fixed requirement (a target), not a measurement: `record` leaves it as it is.
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def load(path: Path = FLOORS_PATH) -> dict[tuple, dict]:
             value = entry.get(name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise FloorsError(f"{where}: {name} must be a positive number or null, got {value!r}")
+        if not isinstance(entry.get("pinned", False), bool):
+            raise FloorsError(f"{where}: pinned must be true or false, got {entry['pinned']!r}")
         if not isinstance(entry["tp"], int) or entry["tp"] < 1:
             raise FloorsError(f"{where}: tp must be a positive integer, got {entry['tp']!r}")
         key = floor_key(*(entry[f] for f in KEY_FIELDS))
@@ -68,7 +71,8 @@ def _round_down(x: float, digits: int) -> float:
 def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: float = 0.9,
            tau_margin: float = 0.98) -> int:
     """Write floors from measured results: tok/s floor = measured * margin (GPUs only), tau floor =
-    measured * tau_margin. Existing floors for other keys are kept. Returns the number of floors written."""
+    measured * tau_margin. Existing floors for other keys, and pinned ones, are kept. Returns the number of floors
+    written."""
     if not 0 < margin <= 1 or not 0 < tau_margin <= 1:
         raise FloorsError(f"margins must be in (0, 1], got --margin {margin} --tau-margin {tau_margin}")
     floors = load(floors_path)
@@ -85,6 +89,8 @@ def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: fl
             if not r.get("lossless", False):
                 continue  # never raise a floor from output that was not right
             key = floor_key(*(r[f] for f in KEY_FIELDS))
+            if floors.get(key, {}).get("pinned"):
+                continue  # a target, not a measurement
             timed = r["device"] != "cpu" and r.get("tok_s_median") is not None  # the held-out record has no tok/s
             tok_s = _round_down(r["tok_s_median"] * margin, 2) if timed else None
             floors[key] = dict(zip(KEY_FIELDS, key), tok_s=tok_s, tau=_round_down(r["tau"] * tau_margin, 3))

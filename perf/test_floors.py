@@ -27,6 +27,7 @@ def write(tmp_path, obj, name="floors.json"):
     ({"version": 1, "floors": [ENTRY, ENTRY]}, "duplicate key"),
     ({"version": 1, "floors": [{**ENTRY, "tp": 0}]}, "tp must be a positive integer"),
     ({"version": 1, "floors": ["x"]}, "not an object"),
+    ({"version": 1, "floors": [{**ENTRY, "pinned": "yes"}]}, "pinned must be true or false"),
 ])
 def test_malformed_floors(tmp_path, content, mentions):
     with pytest.raises(FloorsError, match=mentions):
@@ -60,6 +61,18 @@ def test_record_writes_margins_and_keeps_other_floors(tmp_path):
     assert cpu["tok_s"] is None and cpu["tau"] == 1.5         # CPU timings are not floors
     assert floor_key("cpu", 1, "p", "fib", "short", "ddtree-32") not in floors  # never from a lossy run
     assert floor_key(*(ENTRY[k] for k in ("device", "tp", "pair", "workload", "length", "method"))) in floors
+
+
+def test_record_keeps_pinned_floors(tmp_path):
+    """A pinned floor is a target: a run that measured less or more leaves it as it is."""
+    pinned = {**ENTRY, "pinned": True}
+    floors_path = write(tmp_path, {"version": 1, "floors": [pinned]})
+    res = results(tmp_path, [dict(device="cpu", pair="default", method="ddtree-15", tau=2.0),
+                             dict(device="cpu", pair="default", method="dflash", tau=2.0)])
+    assert record([res], floors_path, tau_margin=0.9) == 1
+    floors = load(floors_path)
+    assert floors[floor_key("cpu", 1, "default", "fib", "short", "ddtree-15")] == pinned
+    assert floors[floor_key("cpu", 1, "default", "fib", "short", "dflash")]["tau"] == 1.8
 
 
 def test_record_cli_errors(tmp_path, capsys):
