@@ -60,10 +60,10 @@ class TrainSettings:
     out: str
     layers: int = _setting(5, "draft layers, each of the target's width")
     block_size: int = _setting(16, "tokens per draft block, the anchor's own included")
-    prompts: int = _setting(81920, "training prompts, each answered by the target")
+    prompts: int = _setting(106496, "training prompts, each answered by the target")
     new_tokens: int = _setting(256, "greedy answer tokens per prompt (past end-of-sequence)")
     gen_batch: int = _setting(2048, "prompts per batch while the target answers them")
-    steps: int = _setting(30929, "optimizer steps (with --minutes: at most)")
+    steps: int = _setting(43595, "optimizer steps (with --minutes: at most)")
     minutes: float = _setting(0.0, "if > 0, a time budget for the data and the steps together: the run measures its "
                                    "step rate and sets the step count that ends within it (logged, and saved in "
                                    "summary.json)")
