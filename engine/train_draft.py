@@ -382,7 +382,7 @@ def target_features(model: Transformer, width: int, batch: int, layers: tuple[in
 
 
 # The share of the device's free memory that the feature bank may take: the step's own buffers need the rest. The
-# default recipe's bank: about 26 M positions x 5 layers x 576 values, 137 GiB in bfloat16, 69 GiB in float8.
+# default recipe's bank: about 33 M positions x 5 layers x 576 values, 179 GiB in bfloat16, 90 GiB in float8.
 FEATURE_BANK_SHARE = 0.7
 
 
