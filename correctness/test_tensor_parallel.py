@@ -1,7 +1,7 @@
 """Tensor parallelism on CPUs with gloo (engine/parallel.py): sharded logits match width 1 within float32
 tolerance, sharded AR equals width-1 AR, and DFlash / DDTree at width 2 (and 4) equal AR at the same width, with
 random drafts and with the oracle drafter (multi-token acceptance, side branches). Each run is a fresh torchrun
-process group in a subprocess with a timeout (correctness/launch.py)."""
+process group in a subprocess with a timeout (engine/launch.py)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from correctness.launch import ROOT, run_torchrun
+from engine.launch import ROOT, run_torchrun
 from engine.errors import EngineError
 from engine.parallel import _split, check_fits, head_ranges
 

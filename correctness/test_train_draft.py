@@ -12,16 +12,21 @@ import pytest
 import torch
 
 import engine
-from engine.corpus import OPENERS, training_prompts
-from engine.exactness import compare_tokens
 from engine.draft import DFlashDrafter, DraftInput
+from engine.exactness import compare_tokens
+from engine.loading import load_dflash_draft, save_dflash
+from engine.measure import heldout_acceptance
 from engine.model import Rotary
-from engine import train_draft
-from engine.train_draft import (TrainSettings, _batch, accepted_prefix, bank_rows, block_loss, continue_prompts,
-                                draft_logits_train, feature_bank, graphed_step, heldout_acceptance, new_draft, pack,
-                                sample_top_p, save_dflash, self_written_prompts, steps_in_budget,
-                                target_block_logits, target_features, train, user_turn_prefix)
-from engine.workloads import heldout_prompts
+from engine.train_draft import TrainSettings, features, loop, train
+from engine.train_draft.corpus import OPENERS, training_prompts
+from engine.train_draft.data import (continue_prompts, draw_batch, pack, sample_top_p, self_written_prompts,
+                                     user_turn_prefix)
+from engine.train_draft.draft_pass import draft_logits_train, new_draft
+from engine.train_draft.features import Float8Rows, feature_bank, target_features
+from engine.train_draft.loop import graphed_step
+from engine.train_draft.loss import accepted_prefix, block_loss, target_block_logits
+from engine.train_draft.schedule import steps_in_budget
+from engine.workloads import heldout_prompts, prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +99,7 @@ def test_padding_to_the_packed_width_does_not_change_the_loss(tiny_checkpoints):
     losses = []
     for pool in (data, longer):
         packed = pack(pool, torch.device("cpu"))
-        tokens, lengths, anchors = _batch(packed, torch.tensor([0, 1, 2]), 4, torch.Generator().manual_seed(9))
+        tokens, lengths, anchors = draw_batch(packed, torch.tensor([0, 1, 2]), 4, torch.Generator().manual_seed(9))
         with torch.no_grad():
             feats, final = _features(target.model, tokens, draft.dcfg.target_layer_ids)
             logits = draft_logits_train(draft, rotary, target.model.embed_tokens.weight, target.model.lm_head.weight,
@@ -143,7 +148,7 @@ def test_float8_rows_round_trip_within_e4m3_rounding():
     x = torch.randn(50, layers, hidden, generator=g) * torch.tensor([0.01, 1.0, 30.0])[:, None]
     x[:, :, 7] *= 100  # one outlier column per layer, as real hidden states have
     x = x.flatten(-2)
-    rows = train_draft.Float8Rows(60, layers, hidden, torch.float32, torch.device("cpu"))
+    rows = Float8Rows(60, layers, hidden, torch.float32, torch.device("cpu"))
     rows.values.fill_(0x7F)  # poison: e4m3 NaN
     rows.scales.fill_(float("nan"))
     rows[0:30] = x[:30]
@@ -171,16 +176,15 @@ def test_feature_bank_rows_are_the_targets_features_of_each_batch(tiny_checkpoin
     layers = (0, 2)
     hidden = target.model.cfg.hidden_size
     if storage == "float8":
-        monkeypatch.setattr(train_draft, "free_memory", _room_for_a_float8_bank(lambda: sum(lengths), len(layers),
-                                                                                 hidden))
-    logs = []
-    bank, starts = feature_bank(target.model, packed, layers, batch=2, log=logs.append)
-    assert bank.shape == (sum(lengths), len(layers) * hidden)
-    assert ("float8 e4m3" in logs[0]) == (storage == "float8"), logs
+        monkeypatch.setattr(features, "free_memory", _room_for_a_float8_bank(lambda: sum(lengths), len(layers),
+                                                                              hidden))
+    bank = feature_bank(target.model, packed, layers, batch=2, log=lambda line: None)
+    assert bank.rows.shape == (sum(lengths), len(layers) * hidden)
+    assert bank.storage == ("float8 e4m3" if storage == "float8" else "float32")
     idx = torch.tensor([3, 0, 4, 3])
     tokens = packed[0][idx]
     want, _ = _features(target.model, tokens, layers)
-    got = bank[bank_rows(packed, starts, idx)]
+    got = bank.rows[bank.row_index(packed, idx)]
     real = torch.arange(tokens.shape[1]) < packed[1][idx, None]
     if storage == "float8":
         assert ((got[real] - want[real]).abs() <= _float8_bound(want[real], len(layers))).all()
@@ -193,28 +197,25 @@ def test_feature_bank_that_fits_nowhere_leaves_the_target_to_every_step(tiny_che
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
     packed = pack([dict(ids=list(range(10, 30)), prompt_len=4)], torch.device("cpu"))
-    monkeypatch.setattr(train_draft, "free_memory", lambda dev: 1000)
-    logs = []
-    assert feature_bank(target.model, packed, (0, 1), batch=1, log=logs.append) is None
-    assert logs[0].startswith("features: the target runs in every step") and "in float8" in logs[0]
+    monkeypatch.setattr(features, "free_memory", lambda dev: 1000)
+    assert feature_bank(target.model, packed, (0, 1), batch=1, log=lambda line: None) is None
 
 
 def _room_for_a_float8_bank(positions, layers: int, hidden: int):
     """A free_memory stand-in: room (at FEATURE_BANK_SHARE) for 1.5x the float8 bank of positions() positions, not
     for one in the model's dtype (2x its bytes and more). positions() is asked when the bank is sized."""
-    return lambda dev: int(1.5 * train_draft.Float8Rows.nbytes(positions(), layers, hidden)
-                           / train_draft.FEATURE_BANK_SHARE)
+    return lambda dev: int(1.5 * Float8Rows.nbytes(positions(), layers, hidden) / features.FEATURE_BANK_SHARE)
 
 
 def _positions_in(data_path: Path):
     """positions() for _room_for_a_float8_bank: the sequence positions of a run's data, once it has written them."""
-    return lambda: sum(len(d["ids"]) for d in torch.load(data_path)["data"])
+    return lambda: sum(len(d["ids"]) for d in loop.read_run_file(data_path)["data"])
 
 
 def _train_on_one_dataset(target, tmp_path, device: str, variants: dict, **recipe) -> dict:
     """train() once per variant {name: (TrainSettings overrides, train() options, set-up to call first)}, each on
     the first variant's data.pt, so that all see the same data and (by the seed) the same batches. Returns {name:
-    (the final checkpoint's draft weights, the log lines)}."""
+    (the final checkpoint's draft weights, the TrainResult)}."""
     runs = {}
     for name, (overrides, options, setup) in variants.items():
         out = tmp_path / name
@@ -222,10 +223,9 @@ def _train_on_one_dataset(target, tmp_path, device: str, variants: dict, **recip
             out.mkdir()
             (out / "data.pt").write_bytes((tmp_path / next(iter(runs)) / "data.pt").read_bytes())
         setup()
-        logs = []
-        train(target, TrainSettings(out=str(out), **recipe, **overrides), torch.device(device), log=logs.append,
-              **options)
-        runs[name] = (torch.load(out / "checkpoint.pt")["draft"], logs)
+        result = train(target, TrainSettings(out=str(out), **recipe, **overrides), torch.device(device),
+                       log=lambda line: None, **options)
+        runs[name] = (loop.read_run_file(out / "checkpoint.pt")["draft"], result)
     return runs
 
 
@@ -234,26 +234,25 @@ def test_training_from_the_feature_bank_follows_features_in_every_step(tiny_chec
     in every step (the fallback when the bank does not fit), up to float32 rounding."""
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
-    share = train_draft.FEATURE_BANK_SHARE
+    share = features.FEATURE_BANK_SHARE
     recipe = dict(layers=1, block_size=4, prompts=12, new_tokens=12, gen_batch=6, steps=4, batch=3, anchors=3,
                   warmup=1, save_every=4, self_written=0.0)
     start = new_draft(target, TrainSettings(out="", **recipe), 0)  # seeded: the runs' starting weights
     init = start.state_dict()
 
     def float8_only():
-        monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", share)
-        monkeypatch.setattr(train_draft, "free_memory", _room_for_a_float8_bank(
+        monkeypatch.setattr(features, "FEATURE_BANK_SHARE", share)
+        monkeypatch.setattr(features, "free_memory", _room_for_a_float8_bank(
             _positions_in(tmp_path / "bank" / "data.pt"), len(start.dcfg.target_layer_ids),
             target.model.cfg.hidden_size))
 
     runs = _train_on_one_dataset(target, tmp_path, "cpu", {
-        "bank": ({}, {}, lambda: monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", share)),
-        "every step": ({}, {}, lambda: monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", 0.0)),
+        "bank": ({}, {}, lambda: monkeypatch.setattr(features, "FEATURE_BANK_SHARE", share)),
+        "every step": ({}, {}, lambda: monkeypatch.setattr(features, "FEATURE_BANK_SHARE", 0.0)),
         "float8 bank": ({}, {}, float8_only)}, **recipe)
-    (bank, bank_logs), (every_step, every_step_logs) = runs["bank"], runs["every step"]
-    assert any(line.startswith("features: ") and "computed once, kept in float32" in line for line in bank_logs)
-    assert any(line.startswith("features: the target runs in every step") for line in every_step_logs)
-    assert any(line.startswith("features: ") and "float8 e4m3" in line for line in runs["float8 bank"][1])
+    (bank, bank_run), (every_step, every_step_run) = runs["bank"], runs["every step"]
+    assert bank_run.features == "float32" and every_step_run.features == "target in every step"
+    assert runs["float8 bank"][1].features == "float8 e4m3"
     moved = sum((w - init[name]).abs().sum() for name, w in bank.items())
     assert moved > 0
     for name, w in bank.items():
@@ -395,13 +394,13 @@ def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoin
     turns rounding differences in small gradients into whole steps (on the H200, 6 steps at lr 1e-2 left the first
     norm weight 0.0013 apart for 0.0234 moved). graphed_step's own test checks the replay exactly."""
     if bank is None:
-        monkeypatch.setattr(train_draft, "FEATURE_BANK_SHARE", 0.0)
+        monkeypatch.setattr(features, "FEATURE_BANK_SHARE", 0.0)
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cuda", torch.bfloat16)
     start = new_draft(target, TrainSettings(out="", layers=1, block_size=4), 0)
     init = start.state_dict()
     if bank == "float8":
-        monkeypatch.setattr(train_draft, "free_memory", _room_for_a_float8_bank(
+        monkeypatch.setattr(features, "free_memory", _room_for_a_float8_bank(
             _positions_in(tmp_path / "graphed" / "data.pt"), len(start.dcfg.target_layer_ids),
             target.model.cfg.hidden_size))
     runs = _train_on_one_dataset(target, tmp_path, "cuda", {
@@ -409,11 +408,13 @@ def test_training_with_the_cuda_graph_step_follows_eager_training(tiny_checkpoin
         "eager": (dict(compile=False), dict(cuda_graph=False), lambda: None)},
         layers=1, block_size=4, prompts=30, new_tokens=12, gen_batch=6, steps=6, batch=3, anchors=3, warmup=1,
         lr=1e-2, save_every=3, validation=3)
-    assert any(line.startswith("features: ") and (f"kept in {bank}" in line if bank else "every step" in line)
-               for line in runs["graphed"][1])
-    assert not any("without a CUDA graph" in line for line in runs["graphed"][1])
-    assert "validation: 3 sequences kept out of training" in runs["graphed"][1]  # checked between graph replays
-    assert any(line.startswith("trained 6 steps") and "the best validation tau" in line for line in runs["graphed"][1])
+    result = runs["graphed"][1]
+    assert result.features == ({"bfloat16": "bfloat16", "float8": "float8 e4m3"}[bank] if bank
+                               else "target in every step")
+    assert result.graphed and not runs["eager"][1].graphed
+    # checked between graph replays: one check per checkpoint, the draft written is the best one's
+    assert result.validation["sequences"] == 3 and [c["step"] for c in result.validation["checks"]] == [3, 6]
+    assert result.steps == 6 and result.best_step in (3, 6)
     graphed, eager = runs["graphed"][0], runs["eager"][0]
     moved = sum((eager[n].cpu() - start).abs().sum() for n, start in init.items())
     apart = sum((graphed[n] - eager[n]).abs().sum().cpu() for n in init)
@@ -443,19 +444,19 @@ def test_train_resume_load_and_decode(tiny_checkpoints, tmp_path, recipe):
     settings = TrainSettings(out=str(tmp_path / "run"), layers=1, block_size=4, prompts=12, new_tokens=12,
                              gen_batch=6, steps=4, batch=3, anchors=3, warmup=1, save_every=2, eval_tokens=12,
                              **recipe)
-    logs = []
-    draft_dir = train(target, settings, torch.device("cpu"), log=logs.append)
-    assert any(line.startswith("data: ") for line in logs)
+    first_run = train(target, settings, torch.device("cpu"), log=lambda line: None)
+    assert first_run.first_step == 0 and not first_run.data_reused and first_run.steps == 4
+    draft_dir = first_run.draft_dir
     config = json.loads((draft_dir / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
     assert config["dflash_config"]["target_layer_ids"] and config["num_target_layers"] == 3
     first = (draft_dir / "model.safetensors").read_bytes()
 
     with pytest.raises(engine.EngineError, match="pass --resume"):
-        train(target, settings, torch.device("cpu"), log=logs.append)
+        train(target, settings, torch.device("cpu"), log=lambda line: None)
     settings.steps = 6
-    train(target, settings, torch.device("cpu"), resume=True, log=logs.append)
-    assert "resuming at step 4" in logs and any(line.endswith("data.pt") for line in logs)  # data reused
+    resumed = train(target, settings, torch.device("cpu"), resume=True, log=lambda line: None)
+    assert resumed.first_step == 4 and resumed.data_reused and resumed.steps == 6
     assert (draft_dir / "model.safetensors").read_bytes() != first  # two more steps changed the weights
 
     drafter = engine.load_drafter(str(draft_dir), target)
@@ -465,16 +466,20 @@ def test_train_resume_load_and_decode(tiny_checkpoints, tmp_path, recipe):
         out = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, 6)).generate(ids, 20)
         assert compare_tokens(ref.tokens, ref.margins, out.tokens, 1e-4).ok
     # the same draft in shards (HF-style index) loads to the same proposals
-    from engine.loading import load_dflash_draft
-
     sharded = tmp_path / "sharded"
     save_dflash(load_dflash_draft(draft_dir, target), target, sharded, dtype=torch.float32, max_shard_bytes=20_000)
     assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 2
     again = engine.load_drafter(str(sharded), target)
     out = engine.Decoder(target.model, again, engine.DecodeSettings("ddtree", 6)).generate(ids, 20)
     assert compare_tokens(ref.tokens, ref.margins, out.tokens, 1e-4).ok
-    taus = heldout_acceptance(target, draft_dir, 12)
-    assert set(taus) == {"dflash", "ddtree-15", "ddtree-32"} and all(t >= 1.0 for t in taus.values())
+    # the summary's held-out tau: committed tokens over rounds of every held-out prompt, as decoding them gives
+    taus = heldout_acceptance(target, drafter, 12)
+    assert set(taus) == {"dflash", "ddtree-15", "ddtree-32"}
+    for method, budget in (("dflash", 0), ("ddtree", 15), ("ddtree", 32)):
+        runs = [engine.Decoder(target.model, drafter, engine.DecodeSettings(method, budget)).generate(
+            prompt_ids(target, w), 12) for w in heldout_prompts()]
+        want = sum(sum(r.acceptance_lengths) for r in runs) / sum(r.rounds for r in runs)
+        assert taus["dflash" if method == "dflash" else f"ddtree-{budget}"] == pytest.approx(want, rel=1e-12)
 
 
 def test_train_draft_rejects_bad_settings(tmp_path):
@@ -511,15 +516,14 @@ def test_steps_in_budget_fit_the_time_left():
 def test_train_with_a_spent_time_budget_stops_after_measuring_its_rate(tiny_checkpoints, tmp_path, monkeypatch):
     """--minutes: the run measures its rate over RATE_WINDOW, logs the step count, and trains no further when the
     budget is spent (here by the data alone); the checkpoint and the draft are those of the last step."""
-    monkeypatch.setattr(train_draft, "RATE_WINDOW", (2, 4))
+    monkeypatch.setattr(loop, "RATE_WINDOW", (2, 4))
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
     settings = TrainSettings(out=str(tmp_path / "run"), layers=1, block_size=4, prompts=6, new_tokens=8,
                              gen_batch=6, steps=1000, minutes=0.0001, batch=2, anchors=2, warmup=1, save_every=500)
-    logs = []
-    train(target, settings, torch.device("cpu"), log=logs.append)
-    assert any(line.startswith("time budget 0.0001 min: ") and line.endswith(": 4 steps in all") for line in logs), logs
-    assert settings.steps == 4 and torch.load(tmp_path / "run" / "checkpoint.pt")["step"] == 4
+    result = train(target, settings, torch.device("cpu"), log=lambda line: None)
+    assert result.steps == settings.steps == 4
+    assert loop.read_run_file(tmp_path / "run" / "checkpoint.pt")["step"] == 4
     assert (tmp_path / "run" / "draft" / "config.json").exists()
 
 
@@ -541,31 +545,30 @@ def test_validation_keeps_its_sequences_out_and_writes_the_best_draft(tiny_check
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
     drawn, states = [], {}
-    real_batch, real_save = train_draft._batch, train_draft._atomic_save
-    monkeypatch.setattr(train_draft, "_batch", lambda packed, idx, *a: drawn.append(idx.tolist()) or real_batch(
+    real_batch, real_save = loop.draw_batch, loop.atomic_torch_save
+    monkeypatch.setattr(loop, "draw_batch", lambda packed, idx, *a: drawn.append(idx.tolist()) or real_batch(
         packed, idx, *a))
 
     def save(obj, where):
         states[obj["step"]] = {k: v.clone() for k, v in obj["draft"].items()}
         real_save(obj, where)
-    monkeypatch.setattr(train_draft, "_atomic_save", lambda obj, where: save(obj, where) if "step" in obj
+    monkeypatch.setattr(loop, "atomic_torch_save", lambda obj, where: save(obj, where) if "step" in obj
                         else real_save(obj, where))
     scripted = iter([0.5, 2.0, 1.0, 0.0])  # mean accepted prefix per check: the best is the second, step 4
-    monkeypatch.setattr(train_draft, "accepted_prefix", lambda logits, tokens, anchors, lengths: torch.full(
+    monkeypatch.setattr(loop, "accepted_prefix", lambda logits, tokens, anchors, lengths: torch.full(
         anchors.shape, next(scripted)))
     settings = TrainSettings(out=str(tmp_path / "run"), layers=1, block_size=4, prompts=20, new_tokens=8,
                              gen_batch=10, steps=8, batch=2, anchors=2, warmup=1, save_every=2, validation=5,
                              self_written=0.0, lr=1e-2)
-    logs = []
-    draft_dir = train(target, settings, torch.device("cpu"), log=logs.append)
+    result = train(target, settings, torch.device("cpu"), log=lambda line: None)
+    draft_dir = result.draft_dir
     held = torch.randperm(20, generator=torch.Generator().manual_seed(settings.seed))[:2].tolist()  # 5 -> 1 batch
-    assert "validation: 2 sequences kept out of training" in logs
     assert sorted(drawn[0]) == sorted(held) and not set(held) & {i for idx in drawn[1:] for i in idx}
     checks = json.loads((tmp_path / "run" / "validation.json").read_text())
     assert checks["sequences"] == 2 and [c["step"] for c in checks["checks"]] == [2, 4, 6, 8]
     assert [c["tau"] for c in checks["checks"]] == [1.5, 3.0, 2.0, 1.0]
-    assert torch.load(tmp_path / "run" / "checkpoint.pt")["validation"] == checks["checks"]
-    assert "step 4's, the best validation tau 3.000" in logs[-1]
+    assert loop.read_run_file(tmp_path / "run" / "checkpoint.pt")["validation"] == checks["checks"]
+    assert result.validation == checks and result.best_step == 4
     from safetensors.torch import load_file
 
     written = load_file(draft_dir / "model.safetensors")

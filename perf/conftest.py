@@ -1,14 +1,13 @@
-"""The performance suite's options, GPU discovery (NVML, without creating a CUDA context in this process),
-one GPU per pytest-xdist worker, and the shared measurement harness with its results file."""
+"""The performance suite's options, one GPU per pytest-xdist worker (chosen through NVML, before anything creates a
+CUDA context), the floors file (read once: a malformed one is a single usage error), and the shared harness."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
+from engine.launch import visible_gpus
 from perf.floors import FLOORS_PATH, FloorsError, load
-
-WIDTHS = (1, 2, 4, 8)
 
 
 def pytest_addoption(parser):
@@ -23,22 +22,11 @@ def pytest_addoption(parser):
                 help="results file of this run (under xdist, one per worker: NAME.gwN.json)")
 
 
-def visible_gpus() -> list[int]:
-    """Indices of the GPUs this process may use, counted through NVML (no CUDA context is created)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        count = pynvml.nvmlDeviceGetCount()
-    except Exception:
-        return []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return list(range(count))
-    return [int(i) for i in visible.split(",") if i.strip().isdigit() and int(i) < count]
-
-
 def pytest_configure(config):
+    try:
+        config.perf_floors = load(config.getoption("floors"))
+    except FloorsError as e:
+        raise pytest.UsageError(str(e)) from None
     # One GPU per xdist worker, chosen before anything creates a CUDA context: `pytest perf -m tp1 -n 8`.
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     gpus = visible_gpus()
@@ -52,10 +40,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def floors(pytestconfig):
-    try:
-        return load(pytestconfig.getoption("floors"))
-    except FloorsError as e:
-        raise pytest.UsageError(str(e)) from None
+    return pytestconfig.perf_floors
 
 
 @pytest.fixture(scope="session")

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from engine.workloads import METHODS, pairs
 from perf.asv_benchmarks import offline
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = "decoding.Decode"
-PAIRS = ("default", "default-synthetic")  # the CPU pairs; qwen3-8b-synthetic is skipped without a GPU
-METHODS = ("ar", "dflash", "ddtree-15", "ddtree-32")
+PAIRS = tuple(pairs(on_gpu=False))  # the CPU pairs; the GPU-only ones are skipped here
 UNITS = {"track_ms_per_token": "ms/token", "track_tau": "tokens/round"}
 
 

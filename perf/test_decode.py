@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.workloads import HELDOUT_TOKENS
+from engine.launch import visible_gpus
+from engine.workloads import HELDOUT_METHODS, HELDOUT_TOKENS, METHODS, WORKLOADS
 from perf.floors import floor_key
-from perf.harness import pair_specs
+from perf.harness import suite_pairs
 
-WORKLOADS = ("fib", "qsort", "arith", "json")
-METHODS = ("ar", "dflash", "ddtree-15", "ddtree-16", "ddtree-32", "ddtree-64")
-HELDOUT_METHODS = ("dflash", "ddtree-15", "ddtree-32")  # those train-draft's summary reports
 BENCHMARK_INFO = ("tok_s_median", "tok_s_min", "tok_s_max", "tau", "stage_ms", "ttft_ms", "new_tokens", "lossless",
                   "acceptance", "device", "telemetry")
 WIDTHS = [pytest.param(w, marks=getattr(pytest.mark, f"tp{w}"), id=f"tp{w}") for w in (1, 2, 4, 8)]
@@ -24,9 +22,7 @@ WIDTHS = [pytest.param(w, marks=getattr(pytest.mark, f"tp{w}"), id=f"tp{w}") for
 
 def pytest_generate_tests(metafunc):
     if "pair" in metafunc.fixturenames:
-        from perf.conftest import visible_gpus
-
-        metafunc.parametrize("pair", list(pair_specs(metafunc.config, bool(visible_gpus()))))
+        metafunc.parametrize("pair", list(suite_pairs(metafunc.config, bool(visible_gpus()))))
 
 
 def _skip_unrunnable_width(harness, tp: int) -> None:
@@ -36,8 +32,6 @@ def _skip_unrunnable_width(harness, tp: int) -> None:
     if not harness.on_gpu:
         pytest.skip(f"tp{tp}: tensor-parallel perf runs need {tp} GPUs (NCCL); the CPU (gloo) path is checked by "
                     f"correctness/test_tensor_parallel.py")
-    from perf.conftest import visible_gpus
-
     gpus = len(visible_gpus())
     if gpus < tp:
         pytest.skip(f"tp{tp} needs {tp} GPUs; this process sees {gpus} (under xdist each worker gets one: run tp>1 "
@@ -100,7 +94,7 @@ def test_throughput_floor(harness, floors, pytestconfig, benchmark, pair, tp, wo
 def test_heldout_acceptance_floor(harness, floors, pytestconfig, pair, tp, method):
     """tau over all rounds of the held-out set (engine.workloads.heldout_prompts(), HELDOUT_TOKENS new tokens each,
     every output checked against AR): the measure of a trained draft that `train-draft` reports in summary.json."""
-    if harness.pairs[pair][2] is not None:
+    if harness.pairs[pair].miss_rate is not None:
         pytest.skip("synthetic acceptance: an oracle's tau says nothing about the draft on held-out prompts")
     r = harness.measure_heldout(pair, method)
     assert r["lossless"], f"{pair}/heldout/{method} diverged from AR: {r['exactness']}"

@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
+from engine.launch import visible_gpus
 from engine.results import gpu_telemetry
-from perf.conftest import visible_gpus
+from engine.workloads import GATED_LENGTHS
 from perf.floors import floor_key
-from perf.harness import GPU_LENGTHS
 
 SELECTION = "throughput and fib and default and not synthetic and (ar or ddtree-15)"
 
@@ -40,7 +40,7 @@ def test_planted_slowdown_fails_the_tp1_floors(tmp_path, pytestconfig, floors):
     if not visible_gpus():
         pytest.skip("tok/s floors exist on GPUs only: the gate check needs a GPU")
     device = gpu_telemetry(0)["name"]
-    needed = [floor_key(device, 1, "default", "fib", length, m) for length in GPU_LENGTHS for m in ("ar", "ddtree-15")]
+    needed = [floor_key(device, 1, "default", "fib", length, m) for length in GATED_LENGTHS for m in ("ar", "ddtree-15")]
     missing = [k for k in needed if (floors.get(k) or {}).get("tok_s") is None]
     if missing:
         pytest.skip(f"no tok/s floors for {missing} in {pytestconfig.getoption('floors')}")

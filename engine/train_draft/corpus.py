@@ -1,17 +1,17 @@
 """Offline prompts for training drafts, generated from templates with a seeded RNG (nothing is downloaded):
 explanations, how-tos, code, arithmetic and algebra, JSON and other formats, stories, poems, summaries, emails,
 lists, comparisons, arguments for and against, rewriting, definitions and chat; and the openers from which the
-target writes requests itself (engine/train_draft.py).
+target writes requests itself (data.self_written_prompts).
 
-The held-out set that training never sees is engine.workloads.heldout_prompts() (the DESIGN.md section 7
-workloads and workloads.HELDOUT): training uses other subjects, tasks and phrasings, and `training_prompts` drops
-any prompt equal to a held-out one.
+The held-out set that training never sees is engine.workloads.heldout_prompts() (the benchmark workloads and
+HELDOUT): training uses other subjects, tasks and phrasings, and `training_prompts` drops any prompt equal to a
+held-out one.
 """
 from __future__ import annotations
 
 import random
 
-from .workloads import heldout_prompts
+from ..workloads import heldout_prompts
 
 SUBJECTS = [
     "photosynthesis", "the water cycle", "binary search", "hash tables", "the French revolution", "compound interest",

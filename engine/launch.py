@@ -1,6 +1,6 @@
-"""Running the engine under torchrun from a test: a fresh process group in subprocesses, with a timeout, so an
-NCCL or gloo error, a crash or a hang fails the test with the processes' last output instead of hanging the
-suite."""
+"""Running the engine in fresh processes, for the test suites: torchrun with a timeout (so an NCCL or gloo error, a
+crash or a hang fails with the processes' last output instead of hanging the suite), and the GPUs this process may
+use, counted without creating a CUDA context."""
 from __future__ import annotations
 
 import os
@@ -41,3 +41,18 @@ def run_torchrun(nproc: int, args: list[str], timeout: float, cpu: bool = False,
         raise AssertionError(f"torchrun x{nproc} {' '.join(args)} failed with exit code {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}")
     return proc
+
+
+def visible_gpus() -> list[int]:
+    """Indices of the GPUs this process may use, counted through NVML (no CUDA context is created)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+    except Exception:  # no NVIDIA driver, or no NVML
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    return [int(i) for i in visible.split(",") if i.strip().isdigit() and int(i) < count]

@@ -1,0 +1,182 @@
+"""The one measuring loop, shared by `python -m engine bench`, the perf suite, the asv benchmarks and train-draft's
+held-out check.
+
+For one target and its drafter, a `Bench` measures (workload, new tokens, method) combinations: an untimed AR run
+with logit margins is each combination's reference (cached), synthetic acceptance swaps in an oracle built from
+it, then `warmup` untimed and `repeats` timed generations give the median, min and max decode tok/s, the mean
+acceptance length tau, ms per round per stage and the time to first token, and the first timed run's tokens are
+checked against the reference under the exactness rule (docs/design.md, "Exactness"). A record is a plain dict,
+as the results files store it.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+
+from .decode import DecodeSettings, Decoder, GenerationResult
+from .errors import EngineError
+from .exactness import compare_tokens, tolerance_for
+from .oracle import OracleDrafter
+from .workloads import HELDOUT_METHODS, HELDOUT_TOKENS, LENGTHS, TOPK_CAP, heldout_prompts, prompt_ids
+
+
+@dataclass(frozen=True)
+class Method:
+    """A named decoding method: `ar`, `dflash` or `ddtree-<budget>`."""
+    name: str
+    settings: DecodeSettings
+
+    @classmethod
+    def parse(cls, name: str, topk_cap: int = TOPK_CAP) -> "Method":
+        kind, _, budget = name.partition("-")
+        if kind == "ddtree":
+            if not budget.isdigit():
+                raise EngineError(f"bad method {name!r}: write ddtree-<budget>, e.g. ddtree-15")
+            return cls(name, DecodeSettings("ddtree", int(budget), topk_cap))
+        if kind in ("ar", "dflash") and not budget:
+            return cls(name, DecodeSettings(kind))
+        raise EngineError(f"bad method {name!r} (ar, dflash or ddtree-<budget>)")
+
+    @property
+    def drafts(self) -> bool:
+        return self.settings.method != "ar"
+
+
+def pooled_tau(records: list[dict]) -> float:
+    """Committed tokens over rounds across records: tau weighted by rounds, not a mean of the records' taus."""
+    return sum(sum(r["acceptance_lengths"]) for r in records) / max(1, sum(r["rounds"] for r in records))
+
+
+class Bench:
+    """Measures one target with one drafter (None: AR only). miss_rate: synthetic acceptance, the drafter still runs
+    every round (its real cost) and an oracle built from the AR reference replaces its proposals."""
+
+    def __init__(self, target, drafter=None, *, warmup: int, repeats: int, miss_rate: float | None = None,
+                 stop_at_eos: bool = False, topk_cap: int = TOPK_CAP):
+        if repeats < 1 or warmup < 0:
+            raise EngineError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+        self.target, self.drafter, self.miss_rate = target, drafter, miss_rate
+        self.warmup, self.repeats, self.topk_cap = warmup, repeats, topk_cap
+        self.stop = target.stop_ids if stop_at_eos else ()
+        self.tolerance = tolerance_for(target.model.dtype)
+        self._references: dict[tuple[str, int], GenerationResult] = {}
+        self._decoders: dict[str, Decoder] = {}
+        self._oracle: OracleDrafter | None = None
+        self._reference_decoder = Decoder(target.model)
+
+    @property
+    def synthetic(self) -> bool:
+        return self.miss_rate is not None and self.drafter is not None
+
+    def reference(self, workload: str, new_tokens: int) -> GenerationResult:
+        """Greedy AR with logit margins: what every method's output is checked against."""
+        key = (workload, new_tokens)
+        if key not in self._references:
+            ids = prompt_ids(self.target, workload)
+            self._references[key] = self._reference_decoder.generate(ids, new_tokens, self.stop, record_margins=True)
+        return self._references[key]
+
+    def _drafter_for(self, length: int):
+        """The drafter to decode with; under synthetic acceptance, an oracle with room for `length` tokens (a longer
+        request replaces it, and the decoders whose graphs read its buffers)."""
+        if not self.synthetic:
+            return self.drafter
+        if self._oracle is None or self._oracle.max_length < length:
+            # room for every known prompt at the GPU's gated length, so the perf suite never rebuilds it
+            longest = max(len(prompt_ids(self.target, w)) for w in heldout_prompts())
+            room = max(length, longest + LENGTHS["cuda"]["short"])
+            self._oracle = OracleDrafter([], self.target.model.cfg.vocab_size, self.drafter.block_size,
+                                         miss_rate=self.miss_rate, device=self.target.model.device, cost=self.drafter,
+                                         max_length=room)
+            self._decoders = {name: d for name, d in self._decoders.items() if d.drafter is None}
+        return self._oracle
+
+    def _decoder(self, method: Method, length: int) -> Decoder:
+        drafter = self._drafter_for(length) if method.drafts else None
+        if method.name not in self._decoders:
+            if method.drafts and drafter is None:
+                raise EngineError(f"method {method.name} needs a draft")
+            self._decoders[method.name] = Decoder(self.target.model, drafter, method.settings)
+        return self._decoders[method.name]
+
+    def _ready(self, workload: str, new_tokens: int, method: str | Method):
+        """(method, decoder, prompt ids, AR reference) of a combination, with the oracle set to that reference."""
+        m = method if isinstance(method, Method) else Method.parse(method, self.topk_cap)
+        ids = prompt_ids(self.target, workload)
+        reference = self.reference(workload, new_tokens)
+        decoder = self._decoder(m, len(ids) + new_tokens)
+        if m.drafts and self.synthetic:
+            self._oracle.set_reference(ids + reference.tokens)
+        return m, decoder, ids, reference
+
+    def generate(self, workload: str, new_tokens: int, method: str | Method) -> GenerationResult:
+        """One more generation of a combination, untimed here (pytest-benchmark times it on its own clock)."""
+        _, decoder, ids, _ = self._ready(workload, new_tokens, method)
+        return decoder.generate(ids, new_tokens, self.stop)
+
+    def measure(self, workload: str, new_tokens: int, method: str | Method, on_run=None) -> dict:
+        """One combination's record: tok/s median/min/max over the timed runs, tau, acceptance lengths, rounds, median
+        ms per round per stage, TTFT, and the exactness verdict against the AR reference."""
+        m, decoder, ids, reference = self._ready(workload, new_tokens, method)
+        runs = []
+        for _ in range(self.warmup + self.repeats):
+            runs.append(decoder.generate(ids, new_tokens, self.stop))
+            if on_run is not None:
+                on_run()
+        runs = runs[self.warmup:]
+        first = runs[0]
+        verdict = compare_tokens(reference.tokens, reference.margins, first.tokens, self.tolerance)
+        tok_s = [r.tok_s for r in runs]
+        return dict(workload=workload, method=m.name, acceptance="synthetic" if m.drafts and self.synthetic else "real",
+                    prompt_tokens=len(ids), new_tokens=len(first.tokens), tok_s_median=statistics.median(tok_s),
+                    tok_s_min=min(tok_s), tok_s_max=max(tok_s), tau=first.tau, rounds=first.rounds,
+                    acceptance_lengths=first.acceptance_lengths,
+                    stage_ms={k: statistics.median(r.stage_ms.get(k, 0.0) for r in runs) for k in first.stage_ms},
+                    ttft_ms=statistics.median(r.prefill_s for r in runs) * 1e3,
+                    lossless=verdict.ok, exactness=verdict.describe())
+
+    def measure_heldout(self, method: str | Method, new_tokens: int = HELDOUT_TOKENS) -> dict:
+        """One record for the held-out set (heldout_prompts(), new_tokens each): tau over all its rounds, lossless
+        everywhere, tau and tok/s per prompt. It has no tok/s of its own: the workload records gate speed."""
+        runs = {w: self.measure(w, new_tokens, method) for w in heldout_prompts()}
+        first = next(iter(runs.values()))
+        return dict(workload="heldout", length=str(new_tokens), new_tokens=new_tokens, method=first["method"],
+                    acceptance=first["acceptance"], tau=pooled_tau(list(runs.values())),
+                    lossless=all(r["lossless"] for r in runs.values()),
+                    exactness={w: r["exactness"] for w, r in runs.items() if not r["lossless"]},
+                    tok_s_median=None,
+                    per_prompt={w: dict(tau=r["tau"], tok_s_median=r["tok_s_median"]) for w, r in runs.items()})
+
+    def matrix(self, methods: list[str], workloads: list[str], lengths: dict[str, int], progress: bool = True
+               ) -> list[dict]:
+        """Every method on every (workload, length), with a progress bar on stderr; one record each."""
+        from tqdm import tqdm
+
+        parsed = [Method.parse(m, self.topk_cap) for m in methods]
+        total = len(workloads) * len(lengths) * (len(parsed) * (self.repeats + self.warmup) + 1)
+        records = []
+        with tqdm(total=total, disable=not progress, desc="bench", unit="run", file=sys.stderr) as bar:
+            for workload in workloads:
+                for length, new_tokens in lengths.items():
+                    bar.set_postfix_str(f"{workload}/{length}/reference")
+                    self.reference(workload, new_tokens)
+                    bar.update()
+                    for m in parsed:
+                        bar.set_postfix_str(f"{workload}/{length}/{m.name}")
+                        records.append(dict(self.measure(workload, new_tokens, m, on_run=bar.update), length=length))
+        return records
+
+
+def heldout_acceptance(target, drafter, new_tokens: int = HELDOUT_TOKENS, methods=HELDOUT_METHODS
+                       ) -> dict[str, float]:
+    """tau per method over the held-out set (`bench --workloads heldout`; train-draft's summary), every output
+    checked against AR; one run each and no warm-up, since only the acceptance counts here."""
+    bench = Bench(target, drafter, warmup=0, repeats=1)
+    taus = {}
+    for method in methods:
+        record = bench.measure_heldout(method, new_tokens)
+        if not record["lossless"]:
+            raise EngineError(f"held-out check: {method} diverged from AR: {record['exactness']}")
+        taus[method] = record["tau"]
+    return taus

@@ -1,0 +1,43 @@
+"""The training recipe: one field per `train-draft` option, the defaults those of the committed default draft."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..workloads import HELDOUT_TOKENS
+
+
+def _setting(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainSettings:
+    """The recipe; the defaults made the committed default draft (docs/training.md). Each help text is its CLI
+    option's."""
+    out: str
+    layers: int = _setting(5, "draft layers, each of the target's width")
+    block_size: int = _setting(16, "tokens per draft block, the anchor's own included")
+    prompts: int = _setting(106496, "training prompts, each answered by the target")
+    new_tokens: int = _setting(256, "greedy answer tokens per prompt (past end-of-sequence)")
+    gen_batch: int = _setting(2048, "prompts per batch while the target answers them")
+    steps: int = _setting(43595, "optimizer steps (with --minutes: at most)")
+    minutes: float = _setting(0.0, "if > 0, a time budget for the data and the steps together: the run measures its "
+                                   "step rate and sets the step count that ends within it (logged, and saved in "
+                                   "summary.json)")
+    batch: int = _setting(32, "sequences per step")
+    anchors: int = _setting(32, "random anchors (blocks) per sequence")
+    lr: float = _setting(6e-4, "peak learning rate (linear warm-up, cosine to a tenth)")
+    warmup: int = _setting(100, "warm-up steps")
+    gamma: float = _setting(7.0, "loss weight exp(-(j-1)/gamma) of block position j")
+    self_written: float = _setting(0.75, "share of the prompts the target writes itself (the rest from templates)")
+    distill: float = _setting(0.0, "share of the loss that is the KL to the target's next-token distribution "
+                                   "(the rest: cross-entropy on its argmax)")
+    compile: bool = _setting(True, "compile the draft's training pass with torch.compile, which fuses its "
+                                    "elementwise work (GPUs only)")
+    save_every: int = _setting(1000, "steps between checkpoints (about 270 MB each with the optimizer state)")
+    validation: int = _setting(512, "sequences of the data kept out of training (at most a tenth, whole batches): "
+                                  "at every checkpoint the draft's teacher-forced acceptance on them is logged and "
+                                  "the draft written is the best so far; 0: none, the last step's draft")
+    seed: int = _setting(0, "seed of the data and of training")
+    eval_tokens: int = _setting(HELDOUT_TOKENS, "new tokens per held-out prompt in the summary (as the perf "
+                                                "suite's held-out floor)")
