@@ -76,7 +76,7 @@ def test_bench_writes_table_and_results(tmp_path, capsys):
 
 
 def test_bench_workloads_include_the_held_out_set():
-    """`--workloads heldout` is the whole held-out set (section 7's workloads, then workloads.HELDOUT), in order
+    """`--workloads heldout` is the whole held-out set (the benchmark workloads, then workloads.HELDOUT), in order
     and once each; any of its names works alone; an unknown name is one error that lists the choices."""
     from engine.bench import parse_workloads
     from engine.errors import EngineError

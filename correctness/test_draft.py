@@ -1,5 +1,6 @@
-"""The DFlash drafter's incremental pass (draft KV cache of earlier context, padding rows past `count`, block
-entries dropped after each call) equals a from-scratch reference of DESIGN.md section 2 written with plain tensor ops."""
+"""The DFlash drafter's incremental pass (draft KV cache of earlier context, padding rows past `n_features`, block
+entries dropped after each call) equals a from-scratch reference of the DFlash draft (docs/design.md) written with
+plain tensor ops."""
 from __future__ import annotations
 
 import math

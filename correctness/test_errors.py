@@ -34,7 +34,7 @@ def write_target(path: Path) -> Path:
 def write_draft(path: Path, *, hidden=HIDDEN, vocab=VOCAB, layer_ids=(1,), mask_id=VOCAB - 1, layers=1,
                 heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, inter=INTER, block_size=4, seed=0,
                 drop: str | None = None) -> Path:
-    """A DFlash draft in the public checkpoint format (DESIGN.md section 2) with random weights."""
+    """A DFlash draft in the public checkpoint format (docs/design.md, "DFlash draft") with random weights."""
     path.mkdir(parents=True, exist_ok=True)
     config = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=hidden,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

@@ -1,4 +1,5 @@
-"""engine.exactness: the comparator of DESIGN.md section 3 (near-tie divergences tolerated, all else fails)."""
+"""engine.exactness: the comparator of the exactness rule (docs/design.md): near-tie divergences tolerated, all
+else fails."""
 from __future__ import annotations
 
 import pytest

@@ -268,7 +268,7 @@ def test_build_tree_peaked_logits_is_the_argmax_chain():
     chain = RoundTree.chain(depths, "cpu")
     chain.tokens.copy_(logits.argmax(-1))
     for name, got, want in zip(("tokens", "parents", "depths", "visible", "count"), tree,
-                               (chain.tokens, chain.parents, chain.depths, chain.visible, chain.count)):
+                               (chain.tokens, chain.parents, chain.depths, chain.visible, chain.n_nodes)):
         assert torch.equal(got, want), name
     assert tree[0].tolist() == target
 
@@ -393,7 +393,7 @@ def test_chain_shape(n):
     assert tree.tokens.shape == (n,) and tree.tokens.dtype == torch.long
     assert tree.parents.tolist() == list(range(n))
     assert tree.depths.tolist() == list(range(1, n + 1))
-    assert int(tree.count) == n
+    assert int(tree.n_nodes) == n
     assert torch.equal(tree.visible, torch.ones(n + 1, n + 1, dtype=torch.bool).tril())
     assert torch.equal(tree.visible, expected_visible(list(range(n)), n))
 
@@ -416,6 +416,6 @@ def test_chain_walk_is_longest_prefix_acceptance(seed):
     accepted = 0
     while accepted < n and draft[accepted] == posterior[accepted]:
         accepted += 1
-    path, bonus = walk(posterior, tree.tokens, tree.parents, tree.count, n)
+    path, bonus = walk(posterior, tree.tokens, tree.parents, tree.n_nodes, n)
     assert path == list(range(accepted + 1))
     assert bonus == posterior[accepted]

@@ -3,7 +3,7 @@
 A round writes its candidate rows after the committed prefix (slots start .. start+T-1) in every layer; the
 walk then keeps the accepted ones: `kernels.compact_kv` moves their rows to contiguous slots, and `start`
 advances. Rolling back is just not advancing. `start` is a device tensor so that a whole round can run inside a
-CUDA graph; `length` mirrors it on the host for bookkeeping outside the hot path. The keys and values of all
+CUDA graph, and nothing reads it on the host inside a round. The keys and values of all
 layers sit in one tensor each ([layers, batch, kv_heads, capacity, head_dim]) so that compaction is one launch;
 a layer's view can later sit beside other per-layer state (a recurrent state and a conv window for
 linear-attention layers). Tensors keep a batch dimension even though decoding uses batch 1 today.
@@ -19,11 +19,6 @@ class AttentionLayerCache:
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
 
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write rows k, v [batch, kv_heads, T, head_dim] at the given slots [T] (a device tensor)."""
-        self.k.index_copy_(2, slots, k)
-        self.v.index_copy_(2, slots, v)
-
 
 class ModelCache:
     """The caches of all layers of one model plus the committed length they share."""
@@ -35,11 +30,6 @@ class ModelCache:
         self.layers = [AttentionLayerCache(self.k[i], self.v[i]) for i in range(num_layers)]
         self.capacity = capacity
         self.start = torch.zeros((), dtype=torch.long, device=device)  # committed rows, on the device
-
-    @property
-    def length(self) -> int:
-        """Committed rows, read on the host (a device sync on a GPU: not for the hot path)."""
-        return int(self.start)
 
     def reset(self) -> None:
         self.start.zero_()

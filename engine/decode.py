@@ -2,10 +2,20 @@
 
 Every round verifies [bonus token, draft nodes...] in one target pass, walks the target's greedy choices
 through the draft, keeps the accepted cache rows and one new bonus token. AR is the round with no draft nodes;
-DFlash verifies the draft's argmax chain; DDTree verifies a best-first tree. A round is four stages (draft,
-tree, verify, commit) that only touch device tensors of fixed shapes, so on a GPU each stage is captured once
-as a CUDA graph and replayed; the host reads one small tensor per round (how many tokens were accepted, and
-which) to decide when to stop, while the next round already runs on the device.
+DFlash verifies the draft's argmax chain; DDTree verifies a best-first tree. A round is four stages that only
+touch device tensors of fixed shapes, so on a GPU each stage is captured once as a CUDA graph and replayed; the
+host reads one small tensor per round (how many tokens were accepted, and which) to decide when to stop, while
+the next round already runs on the device (docs/design.md, "The decode round").
+
+What each stage reads and writes (`Sequence`: the sequence's buffers, `Round`: what a round's stages hand on):
+
+    stage    reads                                                writes
+    draft    draft_input (Sequence.tokens, cache.start, features) Round.draft_logits
+    tree     Round.draft_logits                                   Round.tree
+    verify   Round.tree, Sequence.tokens, cache                   Round.verify_ids/_logits/_features, posterior;
+                                                                  the nodes' cache rows
+    commit   Round.tree, posterior, verify_ids, verify_features   Round.path; cache (kept rows, start), tokens,
+                                                                  features, n_features, round_out
 """
 from __future__ import annotations
 
@@ -18,8 +28,10 @@ from kernels import triton_disabled
 from kernels.topk import topk_logprobs
 from kernels.tree_ops import build_tree, compact_kv, walk_tree
 
+from .cache import ModelCache
 from .draft import DraftInput, Drafter
 from .errors import EngineError
+from .memory import available_bytes, gib
 from .model import Transformer
 from .timing import StageTimer, sync
 
@@ -72,13 +84,14 @@ class DecodeSettings:
 
 @dataclass
 class RoundTree:
-    """Draft nodes of one round on the device, padded to a fixed count: node i+1 has tokens[i], parents[i]
-    (an index into [root, nodes]) and depths[i]; visible is the ancestor-or-self mask over [root, nodes]."""
+    """Draft nodes of one round on the device, padded to a fixed number: node i+1 has tokens[i], parents[i]
+    (an index into [root, nodes]) and depths[i]; visible is the ancestor-or-self mask over [root, nodes];
+    n_nodes (0-d) counts the real nodes."""
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
     visible: torch.Tensor
-    count: torch.Tensor
+    n_nodes: torch.Tensor
 
     @classmethod
     def chain(cls, n: int, device) -> "RoundTree":
@@ -87,6 +100,33 @@ class RoundTree:
         return cls(torch.zeros(n, dtype=torch.long, device=device), ar[:-1].clone(), ar[1:].clone(),
                    torch.ones(n + 1, n + 1, dtype=torch.bool, device=device).tril(),
                    torch.tensor(n, device=device))
+
+
+@dataclass
+class Sequence:
+    """The device state of the sequence being decoded, allocated once per capacity: CUDA graphs are captured over
+    these tensors. Batch dimensions are kept (batch 1 today)."""
+    cache: ModelCache
+    tokens: torch.Tensor             # [1, capacity + block + 1]: prompt and committed ids, then the next bonus token
+    features: torch.Tensor | None    # [1, block, F]: context features of the tokens the last round committed
+    n_features: torch.Tensor         # 0-d: how many rows of `features` are real (the last round's commit)
+    round_out: torch.Tensor          # [1 + block]: the last round's accepted count, then its committed tokens
+    host_out: torch.Tensor           # [2, 1 + block] (pinned on a GPU): round_out copied for the host, two slots
+    out_ready: list | None           # a CUDA event per host_out slot (None on a CPU)
+    offsets: torch.Tensor            # arange(block + 1)
+    zero: torch.Tensor               # [0]
+
+
+@dataclass
+class Round:
+    """What one round's stages hand on to the next (see the module's table)."""
+    tree: RoundTree                              # the nodes to verify: fixed for AR and DFlash, built for DDTree
+    draft_logits: torch.Tensor | None = None     # [block - 1, vocab]
+    verify_ids: torch.Tensor | None = None       # [1 + nodes]: the root (the bonus token), then the nodes' tokens
+    verify_logits: torch.Tensor | None = None    # [1 + nodes, vocab] float32
+    verify_features: torch.Tensor | None = None  # [1, 1 + nodes, F]: context features of every verified row
+    posterior: torch.Tensor | None = None        # [1 + nodes]: the target's greedy token after each row
+    path: torch.Tensor | None = None             # [block]: the accepted rows, root first, padded with 0
 
 
 class Decoder:
@@ -98,36 +138,70 @@ class Decoder:
         self.target, self.settings = target, settings
         self.speculative = settings.method != "ar" and not (settings.method == "ddtree" and settings.budget == 0)
         self.drafter = drafter if self.speculative else None
-        self.block = drafter.block_size if self.speculative else 1
-        self.nodes = 0 if not self.speculative else self.block - 1 if settings.method == "dflash" else settings.budget
-        self.capture = tuple(drafter.feature_layers) if self.speculative else ()
+        self.block_size = drafter.block_size if self.speculative else 1
+        self.nodes = 0 if not self.speculative else self.block_size - 1 if settings.method == "dflash" \
+            else settings.budget
+        self.feature_layers = tuple(drafter.feature_layers) if self.speculative else ()
         on_gpu = target.device.type == "cuda"
         # The PyTorch references read lengths on the host, so graphs need the Triton kernels.
         graphable = (not self.speculative or drafter.graphable) and not triton_disabled()
         self.cuda_graphs = (on_gpu and graphable) if cuda_graphs is None else (cuda_graphs and on_gpu and graphable)
-        self.capacity = 0
-        self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
-        self.graphed_drafter_cache = None  # the drafter buffers the graphs were captured over
         # one round in flight ahead of the host (None: on a GPU; on a CPU it only costs a round at stop tokens)
         self.run_ahead = on_gpu if run_ahead is None else run_ahead
+        self.capacity = 0
+        self.seq: Sequence | None = None
+        self.round: Round | None = None
+        self.draft_input: DraftInput | None = None
+        self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
+        self.graphed_drafter_cache = None  # the drafter buffers the graphs were captured over
 
     # ------------------------------------------------------------------------------------------------ buffers
 
+    def round_bytes(self, capacity: int) -> dict[str, int]:
+        """An estimate of the memory a request of `capacity` tokens takes, by part: the target's cache, the verify
+        pass (logits, MLP activations, attention scores, the node mask) and the draft (logits, its cache)."""
+        cfg, dtype_size = self.target.cfg, self.target.dtype.itemsize
+        rows = 1 + self.nodes
+        parts = dict(
+            cache=2 * cfg.num_layers * self.target.num_kv_heads * cfg.head_dim * capacity * dtype_size,
+            verify=rows * (2 * cfg.vocab_size * 4 + 3 * cfg.intermediate_size * dtype_size
+                           + cfg.num_heads * capacity * 4) + rows * rows)
+        if self.speculative:
+            draft = getattr(self.drafter, "draft", None)
+            draft_cache = 0 if draft is None else 2 * draft.dcfg.layers.num_layers * draft.dcfg.layers.num_kv_heads \
+                * draft.dcfg.layers.head_dim * capacity * dtype_size
+            parts["draft"] = 3 * (self.block_size - 1) * cfg.vocab_size * 4 + draft_cache
+        return parts
+
+    def _check_memory(self, capacity: int) -> None:
+        """Refuse a request that cannot fit, with the numbers, instead of failing deep in an allocation."""
+        parts = self.round_bytes(capacity)
+        need, free = sum(parts.values()), available_bytes(self.target.device)
+        if free is not None and need > free:
+            what = ", ".join(f"{name} {gib(n)}" for name, n in parts.items())
+            raise EngineError(f"{self.settings.method} with {self.nodes} draft nodes per round, block size "
+                              f"{self.block_size} and {capacity} tokens of cache needs about {gib(need)} ({what}); "
+                              f"{self.target.device} has {gib(free)} available")
+
     def _allocate(self, capacity: int) -> None:
         capacity = -(-capacity // 256) * 256  # round up: fewer re-allocations (and graph captures)
-        dev, B = self.target.device, self.block
+        self._check_memory(capacity)
+        dev, block = self.target.device, self.block_size
         self.capacity = capacity
-        self.cache = self.target.new_cache(capacity)
-        self.tokens = torch.zeros(1, capacity + B + 1, dtype=torch.long, device=dev)
-        self.round_out = torch.zeros(1 + B, dtype=torch.long, device=dev)   # [accepted, new tokens...]
-        self.host_out = torch.zeros(2, 1 + B, dtype=torch.long, pin_memory=dev.type == "cuda")  # read by the host
-        self.out_ready = [torch.cuda.Event() for _ in range(2)] if dev.type == "cuda" else None
-        self.count = torch.zeros((), dtype=torch.long, device=dev)
-        width = len(self.capture) * self.target.cfg.hidden_size
-        self.features = torch.zeros(1, B, width, dtype=self.target.dtype, device=dev) if self.capture else None
-        self.offsets = torch.arange(B + 1, device=dev)
-        self.zero = torch.zeros(1, dtype=torch.long, device=dev)
-        self.tree = RoundTree.chain(self.nodes, dev)   # AR: no nodes; DFlash: the chain; DDTree: replaced per round
+        width = len(self.feature_layers) * self.target.cfg.hidden_size
+        self.seq = Sequence(
+            cache=self.target.new_cache(capacity),
+            tokens=torch.zeros(1, capacity + block + 1, dtype=torch.long, device=dev),
+            features=torch.zeros(1, block, width, dtype=self.target.dtype, device=dev) if self.feature_layers
+            else None,
+            n_features=torch.zeros((), dtype=torch.long, device=dev),
+            round_out=torch.zeros(1 + block, dtype=torch.long, device=dev),
+            host_out=torch.zeros(2, 1 + block, dtype=torch.long, pin_memory=dev.type == "cuda"),
+            out_ready=[torch.cuda.Event() for _ in range(2)] if dev.type == "cuda" else None,
+            offsets=torch.arange(block + 1, device=dev),
+            zero=torch.zeros(1, dtype=torch.long, device=dev))
+        # AR: no nodes; DFlash: the chain, its tokens filled in per round; DDTree: replaced per round
+        self.round = Round(RoundTree.chain(self.nodes, dev))
         self.graphs = None
 
     def _check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -146,39 +220,42 @@ class Decoder:
     # ------------------------------------------------------------------------------------------------ stages
 
     def _stage_draft(self) -> None:
-        self.draft_logits = self.drafter.propose(self.draft_input)
+        self.round.draft_logits = self.drafter.propose(self.draft_input)
 
     def _stage_tree(self) -> None:
+        r = self.round
         if self.settings.method == "dflash":
-            self.tree.tokens.copy_(self.draft_logits.argmax(-1))
+            r.tree.tokens.copy_(r.draft_logits.argmax(-1))
             return
-        k = min(self.settings.budget, self.settings.topk_cap, self.draft_logits.shape[-1])
-        logp, ids = topk_logprobs(self.draft_logits, k)
-        self.tree = RoundTree(*build_tree(logp, ids, self.settings.budget))
+        k = min(self.settings.budget, self.settings.topk_cap, r.draft_logits.shape[-1])
+        logp, ids = topk_logprobs(r.draft_logits, k)
+        r.tree = RoundTree(*build_tree(logp, ids, self.settings.budget))
 
     def _stage_verify(self) -> None:
-        tree, start = self.tree, self.cache.start
-        bonus = self.tokens[0].index_select(0, start.view(1))
-        self.verify_ids = torch.cat((bonus, tree.tokens))
-        positions = start + torch.cat((self.zero, tree.depths))
-        hidden, self.verify_features = self.target(self.verify_ids[None], positions[None], self.cache, tree.visible,
-                                                   self.capture)
-        self.verify_logits = self.target.logits(hidden[0])
-        self.posterior = self.verify_logits.argmax(-1)
+        s, r = self.seq, self.round
+        start = s.cache.start
+        bonus = s.tokens[0].index_select(0, start.view(1))
+        r.verify_ids = torch.cat((bonus, r.tree.tokens))
+        positions = start + torch.cat((s.zero, r.tree.depths))
+        hidden, r.verify_features = self.target(r.verify_ids[None], positions[None], s.cache, r.tree.visible,
+                                                self.feature_layers)
+        r.verify_logits = self.target.logits(hidden[0])
+        r.posterior = r.verify_logits.argmax(-1)
 
     def _stage_commit(self) -> None:
-        tree, cache, B = self.tree, self.cache, self.block
-        self.path, accepted, bonus = walk_tree(self.posterior, tree.tokens, tree.parents, tree.count, B - 1)
-        compact_kv(cache.k, cache.v, cache.start, self.path, accepted)
+        s, r, block = self.seq, self.round, self.block_size
+        cache = s.cache
+        r.path, accepted, bonus = walk_tree(r.posterior, r.tree.tokens, r.tree.parents, r.tree.n_nodes, block - 1)
+        compact_kv(cache.k, cache.v, cache.start, r.path, accepted)
         # New tokens: the accepted nodes' tokens, then the bonus (entries past `accepted` are padding).
-        new = torch.cat((self.verify_ids.index_select(0, self.path[1:]), self.zero))
+        new = torch.cat((r.verify_ids.index_select(0, r.path[1:]), s.zero))
         new.index_copy_(0, (accepted - 1).view(1), bonus.view(1))
-        self.tokens[0].index_copy_(0, cache.start + 1 + self.offsets[:B], new)
-        if self.capture:
-            self.features[0].copy_(self.verify_features[0].index_select(0, self.path))
-            self.count.copy_(accepted)
+        s.tokens[0].index_copy_(0, cache.start + 1 + s.offsets[:block], new)
+        if self.feature_layers:
+            s.features[0].copy_(r.verify_features[0].index_select(0, r.path))
+            s.n_features.copy_(accepted)
         cache.start.add_(accepted)
-        self.round_out.copy_(torch.cat((accepted.view(1), new)))
+        s.round_out.copy_(torch.cat((accepted.view(1), new)))
 
     def _stages(self) -> dict:
         stages = {"verify": self._stage_verify, "commit": self._stage_commit}
@@ -186,7 +263,7 @@ class Decoder:
             stages = {"draft": self._stage_draft, "tree": self._stage_tree, **stages}
         return stages
 
-    def _capture(self) -> None:
+    def _capture_graphs(self) -> None:
         """Record each stage once as a CUDA graph over the static buffers (after an eager warm-up round)."""
         pool = torch.cuda.graph_pool_handle()
         self.graphs = {}
@@ -206,10 +283,11 @@ class Decoder:
         target, dev = self.target, self.target.device
         stop = set(stop_ids)
         n_prompt = len(prompt_ids)
-        needed = n_prompt + max_new_tokens + 2 * (self.nodes + self.block) + 1  # room for a round run ahead
+        needed = n_prompt + max_new_tokens + 2 * (self.nodes + self.block_size) + 1  # room for a round run ahead
         if needed > self.capacity:
             self._allocate(needed)
-        self.cache.reset()
+        s = self.seq
+        s.cache.reset()
         if self.speculative:
             self.drafter.start(n_prompt, self.capacity)
             # Decoders may share a drafter, and another's longer request may have re-allocated its buffers since
@@ -223,14 +301,14 @@ class Decoder:
         sync(dev)
         t0 = time.perf_counter()
         prompt = torch.tensor(prompt_ids, device=dev)
-        self.tokens[0, :n_prompt] = prompt
+        s.tokens[0, :n_prompt] = prompt
         causal = torch.ones(n_prompt, n_prompt, dtype=torch.bool, device=dev).tril()
-        hidden, features = target(prompt[None], torch.arange(n_prompt, device=dev)[None], self.cache, causal,
-                                  self.capture)
-        self.cache.start.fill_(n_prompt)
+        hidden, prompt_features = target(prompt[None], torch.arange(n_prompt, device=dev)[None], s.cache, causal,
+                                         self.feature_layers)
+        s.cache.start.fill_(n_prompt)
         logits = target.logits(hidden[0, -1:])
         bonus = logits.argmax(-1)
-        self.tokens[0, n_prompt] = bonus[0]
+        s.tokens[0, n_prompt] = bonus[0]
         out, accepted_lengths = [int(bonus)], []
         if record_margins:
             margins += _margins(logits)
@@ -238,7 +316,7 @@ class Decoder:
         t1 = time.perf_counter()
 
         if self.speculative:  # the first round reads the prompt's features; later rounds the static buffer
-            self.draft_input = DraftInput(self.tokens, self.cache.start, features,
+            self.draft_input = DraftInput(s.tokens, s.cache.start, prompt_features,
                                           torch.tensor(n_prompt, device=dev))
         # On a GPU the host reads a round's result (accepted count and tokens) through a pinned double buffer
         # while the next round already runs: once the graphs exist, one round is in flight ahead of the host, so
@@ -250,7 +328,7 @@ class Decoder:
         while not done:
             # Round 0 reads the prompt's features, round 1 warms up the static buffers, then graphs take over.
             if use_graphs and launched == 2 and self.graphs is None:
-                self._capture()
+                self._capture_graphs()
             replay = use_graphs and launched >= 1 and self.graphs is not None
             for name, stage in self._stages().items():
                 with timer.stage(name):
@@ -259,11 +337,11 @@ class Decoder:
                     else:
                         stage()
             if self.speculative and launched == 0:
-                self.draft_input = DraftInput(self.tokens, self.cache.start, self.features, self.count)
+                self.draft_input = DraftInput(s.tokens, s.cache.start, s.features, s.n_features)
             slot = launched % 2
-            self.host_out[slot].copy_(self.round_out, non_blocking=True)
-            if self.out_ready is not None:
-                self.out_ready[slot].record()
+            s.host_out[slot].copy_(s.round_out, non_blocking=True)
+            if s.out_ready is not None:
+                s.out_ready[slot].record()
             pending.append(slot)
             launched += 1
             while pending and not done:
@@ -271,13 +349,13 @@ class Decoder:
                 if len(pending) <= (1 if ahead_ok else 0):  # (none in flight before the graphs are captured)
                     break
                 slot = pending.pop(0)
-                if self.out_ready is not None:
-                    self.out_ready[slot].synchronize()  # the round's one host synchronisation
-                result = self.host_out[slot].tolist()
+                if s.out_ready is not None:
+                    s.out_ready[slot].synchronize()  # the round's one host synchronisation
+                result = s.host_out[slot].tolist()
                 accepted, new = result[0], result[1:1 + result[0]]
                 accepted_lengths.append(accepted)
                 if record_margins:
-                    margins += _margins(self.verify_logits.index_select(0, self.path[:accepted]))
+                    margins += _margins(self.round.verify_logits.index_select(0, self.round.path[:accepted]))
                 for t in new:  # commit up to the first stop token or the length limit
                     out.append(t)
                     if t in stop or len(out) == max_new_tokens:

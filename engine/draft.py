@@ -4,8 +4,9 @@ The decode loop talks to a drafter through `Drafter`: `start` once per sequence,
 A proposal is draft logits for the block_size - 1 positions after the bonus token; DFlash verifies their argmax
 as a chain, DDTree builds a tree from their top-k.
 
-`DFlashDrafter` runs a DFlash block-diffusion draft model (public checkpoint format, DESIGN.md section 2):
-one non-causal pass over [context features, bonus, mask, ..., mask], with the target's embedding and LM head.
+`DFlashDrafter` runs a DFlash block-diffusion draft model (the public checkpoint format, docs/design.md "DFlash
+draft"): one non-causal pass over [context features, bonus, mask, ..., mask], with the target's embedding and LM
+head.
 It keeps its state on the device and never reads a tensor on the host, so a round can be a CUDA graph.
 """
 from __future__ import annotations
@@ -30,17 +31,14 @@ class DraftInput:
     """What a round knows when it drafts. Tensors live on the target's device; buffers may be longer than used.
 
     tokens[0, :length + 1] are the committed ids, prompt included; tokens[0, length] is the bonus token the round
-    starts from (not yet in the target's cache). features[0, :count] are the target's context features (outputs
-    of `feature_layers`) of the tokens committed since the previous call; rows past `count` are padding.
+    starts from (not yet in the target's cache). features[0, :n_features] are the target's context features
+    (outputs of `feature_layers`) of the tokens committed since the previous call; rows past n_features are
+    padding.
     """
     tokens: torch.Tensor            # [1, capacity] long
     length: torch.Tensor            # 0-d long
     features: torch.Tensor | None   # [1, n, F]
-    count: torch.Tensor             # 0-d long, <= n
-
-    def context_ids(self) -> list[int]:
-        """The committed ids and the bonus token, on the host (a sync: for simple drafters)."""
-        return self.tokens[0, :int(self.length) + 1].tolist()
+    n_features: torch.Tensor        # 0-d long, <= n
 
 
 class Drafter(ABC):
@@ -128,14 +126,14 @@ class DFlashDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, inp: DraftInput) -> torch.Tensor:
-        cache, B, dev = self.cache, self.block_size, self.target.device
+        cache, block, dev = self.cache, self.block_size, self.target.device
         ctx = self.draft.hidden_norm(self.draft.fc(inp.features))[0]         # [1, n, hidden]
         n = ctx.shape[1]
-        # Context rows go to slots start..start+n-1 (padding rows past `count` included); the block follows the
+        # Context rows go to slots start..start+n-1 (padding rows past n_features included); the block follows the
         # real context and overwrites the padding. Slot = absolute position: the context is contiguous.
         ctx_pos = cache.start + torch.arange(n, device=dev)
-        block_start = cache.start + inp.count
-        block_pos = block_start + self.block_offsets[:B]
+        block_start = cache.start + inp.n_features
+        block_pos = block_start + self.block_offsets[:block]
         bonus = inp.tokens[0].index_select(0, inp.length.view(1))
         x = self.target.embed(torch.cat((bonus, self.mask_ids))[None])
         cos_c, sin_c = self.rotary(ctx_pos[None], x.dtype)
@@ -151,13 +149,13 @@ class DFlashDrafter(Drafter):
                 o = _windowed_attention(q, layer_cache, block_start, block_pos, window)
             x = x + attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x)[0])
-        cache.start.add_(inp.count)  # keep the context rows, drop the block's
+        cache.start.add_(inp.n_features)  # keep the context rows, drop the block's
         return self.target.logits(self.draft.norm(x[0, 1:])[0])
 
 
 def _windowed_attention(q, layer_cache, block_start, block_pos, window: int) -> torch.Tensor:
     """A sliding-window draft layer: a block query at position p sees keys at positions in (p - window,
-    block_start + B). Masked attention over the whole cache, computed without host reads."""
+    block_start + block size). Masked attention over the whole cache, computed without host reads."""
     keys = torch.arange(layer_cache.k.shape[2], device=q.device)
     end = block_pos[-1] + 1
     mask = (keys[None, :] < end) & (keys[None, :] > block_pos[:, None] - window)

@@ -1,4 +1,4 @@
-"""The exactness rule (DESIGN.md section 3): speculative output must equal greedy autoregressive output.
+"""The exactness rule (docs/design.md): speculative output must equal greedy autoregressive output.
 
 A divergence is tolerated only where the autoregressive run's top-1 minus top-2 logit margin at that position
 is below the tolerance of the precision (a near-tie that the verify pass may round the other way); the

@@ -132,10 +132,6 @@ def _fused(linears, name: str) -> torch.Tensor | None:
     return fused
 
 
-def _part(t: torch.Tensor | None, lo, hi) -> torch.Tensor | None:
-    return None if t is None else t[lo:hi]
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -144,12 +140,14 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, delta, x, cos, sin, layer_cache, slots, start, node_mask):
-        """The residual stream is x + delta, delta being the previous block's MLP output, added inside the
-        first norm's kernel. Returns this block's (delta, x) in the same form."""
-        h, x = self.input_layernorm(delta, x)
-        h, x = self.post_attention_layernorm(self.self_attn(h, cos, sin, layer_cache, slots, start, node_mask), x)
-        return self.mlp(h), x
+    def forward(self, pending, residual, cos, sin, layer_cache, slots, start, node_mask):
+        """The residual stream arrives as residual + pending, `pending` being the previous block's MLP output not
+        yet added: the add is fused into this block's first norm. Returns (this block's MLP output, the residual
+        stream before it) in the same form."""
+        h, residual = self.input_layernorm(pending, residual)
+        attn_out = self.self_attn(h, cos, sin, layer_cache, slots, start, node_mask)
+        h, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(h), residual
 
 
 def fuse_projections(blocks) -> None:
@@ -216,13 +214,13 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         captured = {}
-        delta, x = x, None
+        pending, residual = x, None  # the embeddings enter as the first pending output
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
-            delta, x = layer(delta, x, cos, sin, layer_cache, slots, start, node_mask)
+            pending, residual = layer(pending, residual, cos, sin, layer_cache, slots, start, node_mask)
             if i in capture:
-                captured[i] = x + delta   # the layer's output (HF hidden_states[i + 1])
+                captured[i] = residual + pending   # the layer's output (HF hidden_states[i + 1])
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        return self.norm(delta, x)[0], features
+        return self.norm(pending, residual)[0], features
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits in float32. From bf16 weights they are accumulated and kept in float32: rounding them

@@ -28,8 +28,8 @@ rank j. The program walks logical keys in BLOCK_N blocks (tl.dot for Q K^T and P
 base 2 (running max, running sum, unnormalised float32 accumulator); blocks that reach the new rows gather their
 K/V rows through the rank mapping, and keys past the token's last one are masked. So a token's arithmetic, block
 by block, is that of the one-token decode step at the same position: whether it is verified alone, in a chain, or
-deep in a tree whose siblings sit between its ancestors, the result is the same bit for bit (DESIGN.md section 3:
-then no divergence can happen at all). Earlier designs were not: tiles of several tokens sharing masked K/V
+deep in a tree whose siblings sit between its ancestors, the result is the same bit for bit (docs/design.md,
+"Exactness": then no divergence can happen at all). Earlier designs were not: tiles of several tokens sharing masked K/V
 blocks put a tree node's ancestors at other offsets inside a block, and separate loops for whole prefix blocks
 and masked blocks were compiled to differently-rounding code; both made verification differ from decoding in
 the last bit on the H200 (a flipped near-tie on qwen3-8b). Keys past start + T are never loaded.

@@ -1,6 +1,6 @@
 """DDTree round bookkeeping on the device: build the draft tree, walk it, compact the KV cache.
 
-Three functions of the decode loop (DESIGN.md section 2, "DDTree"), each in three forms:
+Three functions of the decode loop (docs/design.md, "DDTree"), each in three forms:
 
 - `*_reference`: plain PyTorch / Python, readable; the CPU path and the tests' oracle (reads values on the host).
 - `*_triton`: a Triton kernel. No host synchronisation, no Python control flow on tensor values, outputs of
@@ -10,7 +10,7 @@ Three functions of the decode loop (DESIGN.md section 2, "DDTree"), each in thre
   `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) forces the reference.
 
 build_tree(topk_logp [Dp, K] f32, topk_ids [Dp, K] i64, budget) -> tokens, parents, depths, visible, count
-    Best-first selection (DESIGN.md section 2) with float32 scores: a candidate is
+    Best-first selection (docs/design.md) with float32 scores: a candidate is
     (depth index d, rank r, parent p, score); start (0, 0, root, logp[0][0]); the best candidate (ties: the one
     pushed first) becomes node n = 1, 2, ...; it pushes its sibling (d, r+1, p, score - logp[d][r] + logp[d][r+1])
     if r+1 < K, then its child (d+1, 0, n, score + logp[d+1][0]) if d+1 < Dp; stop at `budget` nodes or when no

@@ -43,25 +43,25 @@ def _norm(x, weight, eps):
 
 
 def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w, feats, tokens, anchors):
-    """Differentiable draft pass for anchors [N, A]: logits [N, A, B-1, V] of block positions 1..B-1.
+    """Differentiable draft pass for anchors [N, A]: logits [N, A, block-1, V] of block positions 1..block-1.
 
-    Block a of sequence n: [tokens[n, p], mask...] at positions p..p+B-1 (p = anchors[n, a]); it sees the context
-    features of positions < p and its own B rows, as DFlashDrafter.propose does at inference."""
+    Block a of sequence n: [tokens[n, p], mask...] at positions p..p+block-1 (p = anchors[n, a]); it sees the
+    context features of positions < p and its own rows, as DFlashDrafter.propose does at inference."""
     dcfg, cfg = draft.dcfg, draft.dcfg.layers
     N, L = tokens.shape
-    A, B = anchors.shape[1], dcfg.block_size
+    A, block = anchors.shape[1], dcfg.block_size
     H, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dev = tokens.device
     ctx = _norm(draft.fc(feats), draft.hidden_norm.weight, cfg.rms_norm_eps)             # [N, L, H]
-    offs = torch.arange(B, device=dev)
-    blk_pos = (anchors[..., None] + offs).reshape(N, A * B)                                # [N, A*B]
-    blk_ids = torch.full((N, A, B), dcfg.mask_token_id, dtype=torch.long, device=dev)
+    offs = torch.arange(block, device=dev)
+    blk_pos = (anchors[..., None] + offs).reshape(N, A * block)                            # [N, A*block]
+    blk_ids = torch.full((N, A, block), dcfg.mask_token_id, dtype=torch.long, device=dev)
     blk_ids[..., 0] = tokens.gather(1, anchors)
-    x = F.embedding(blk_ids.view(N, A * B), embed_w)
+    x = F.embedding(blk_ids.view(N, A * block), embed_w)
     ctx_pos = torch.arange(L, device=dev)
-    # visibility [N, A*B, L + A*B]: context keys before the anchor, then the block's own rows
-    see_ctx = ctx_pos[None, None, :] < anchors.repeat_interleave(B, dim=1)[..., None]
-    blk = torch.arange(A, device=dev).repeat_interleave(B)
+    # visibility [N, A*block, L + A*block]: context keys before the anchor, then the block's own rows
+    see_ctx = ctx_pos[None, None, :] < anchors.repeat_interleave(block, dim=1)[..., None]
+    blk = torch.arange(A, device=dev).repeat_interleave(block)
     see_blk = (blk[:, None] == blk[None, :]).expand(N, -1, -1)
     mask = torch.cat((see_ctx, see_blk), dim=-1)[:, None]
     cos_c, sin_c = rotary(ctx_pos[None].expand(N, L), x.dtype)
@@ -70,18 +70,19 @@ def draft_logits_train(draft: DFlashDraftModel, rotary: Rotary, embed_w, head_w,
     for layer in draft.layers:
         a = layer.self_attn
         h = _norm(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
-        q = _norm(a.q_proj(h).view(N, A * B, nh, d), a.q_norm.weight, cfg.rms_norm_eps).transpose(1, 2)
+        q = _norm(a.q_proj(h).view(N, A * block, nh, d), a.q_norm.weight, cfg.rms_norm_eps).transpose(1, 2)
         kv_in = torch.cat((ctx, h), dim=1)
         k = _norm(a.k_proj(kv_in).view(N, -1, nkv, d), a.k_norm.weight, cfg.rms_norm_eps).transpose(1, 2)
         v = a.v_proj(kv_in).view(N, -1, nkv, d).transpose(1, 2)
         q = rope_reference(q, cos_b, sin_b)
         k = rope_reference(k, cos_k, sin_k)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != nkv)
-        x = x + a.o_proj(o.transpose(1, 2).reshape(N, A * B, nh * d))
+        x = x + a.o_proj(o.transpose(1, 2).reshape(N, A * block, nh * d))
         m = layer.mlp
         h = _norm(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
         x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
-    # rows 1..B-1 of every block as one contiguous [rows, H] matrix: a single GEMM against the LM head (a strided
-    # 4-d operand made matmul run a batched GEMM per sequence: 12.3 ms of a 53.8 ms step on the H200, 43.9 after)
-    out = _norm(x.view(N, A, B, H)[:, :, 1:].reshape(-1, H), draft.norm.weight, cfg.rms_norm_eps)
-    return (out @ head_w.t()).view(N, A, B - 1, -1)
+    # rows 1..block-1 of every block as one contiguous [rows, H] matrix: a single GEMM against the LM head (a
+    # strided 4-d operand made matmul run a batched GEMM per sequence: 12.3 ms of a 53.8 ms step on the H200, 43.9
+    # after)
+    out = _norm(x.view(N, A, block, H)[:, :, 1:].reshape(-1, H), draft.norm.weight, cfg.rms_norm_eps)
+    return (out @ head_w.t()).view(N, A, block - 1, -1)

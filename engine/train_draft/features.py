@@ -3,13 +3,13 @@ engine's own forward over whole sequences, computed once for all sequences into 
 memory (in float8 when only that fits), else in every step."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ..memory import available_bytes
 from ..model import Transformer
 
 
@@ -57,9 +57,7 @@ class Float8Rows:
 def free_memory(dev: torch.device) -> int:
     """Bytes the feature bank may draw on: free on the GPU plus what PyTorch holds unused (the data's caches and
     graphs), or the host's available memory."""
-    if dev.type == "cuda":
-        return torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available_bytes(dev) or 0
 
 
 @dataclass

@@ -10,8 +10,9 @@ from kernels.cross_entropy import cross_entropy
 
 
 def target_block_logits(final_hidden, head_w, anchors, block_size: int) -> torch.Tensor:
-    """The target's logits for tokens p+1..p+B-1 of each block [N, A, B-1, V]: its final (normed) hidden states at
-    positions p..p+B-2 through the LM head. Positions past the end are clamped (block_loss masks them)."""
+    """The target's logits for tokens p+1..p+block-1 of each block [N, A, block-1, V]: its final (normed) hidden
+    states at positions p..p+block-2 through the LM head. Positions past the end are clamped (block_loss masks
+    them)."""
     N, L, H = final_hidden.shape
     pos = (anchors[..., None] + torch.arange(block_size - 1, device=anchors.device)).clamp(max=L - 1)
     rows = final_hidden.gather(1, pos.view(N, -1, 1).expand(-1, -1, H)).view(*pos.shape, H)
@@ -34,7 +35,7 @@ def accepted_prefix(logits, tokens, anchors, lengths) -> torch.Tensor:
 
 
 def block_loss(logits, tokens, anchors, lengths, gamma: float, teacher=None, distill: float = 0.0):
-    """Weighted cross-entropy against tokens p+1..p+B-1 (positions past a sequence's end do not count); with
+    """Weighted cross-entropy against tokens p+1..p+block-1 (positions past a sequence's end do not count); with
     `teacher` logits (target_block_logits, given when distill > 0), a share `distill` of it is the KL(teacher ||
     draft) instead. Also the share of block positions whose argmax is right."""
     N, A, Bm1, V = logits.shape
