@@ -1,5 +1,5 @@
-"""Shared by the kernel tests: running Triton kernels under the interpreter in a subprocess (CPU), and
-micro-timing them on a GPU (printed with pytest -s, never asserted against floors)."""
+"""Shared by the kernel tests: running Triton kernels under the interpreter in a subprocess (CPU), and logits that
+trip row-wise kernels. (Kernel times are measured by python -m perf.kernel_times, not here.)"""
 from __future__ import annotations
 
 import os
@@ -38,27 +38,6 @@ def hard_logit_cases(gen: torch.Generator, rows: int, vocab: int) -> list[tuple[
     masked[:, vocab // 3:] = float("-inf")
     strided = torch.randn(rows, vocab + 7, generator=gen)[:, 3:vocab + 3]
     return [("ties", ties, vocab), ("-inf tail", masked, vocab // 3), ("strided", strided, vocab)]
-
-
-def graph_time_us(fn, reps: int = 50, iters: int = 20) -> float:
-    """Microseconds per call of fn: `reps` calls captured in one CUDA graph (after a warm-up on a side stream),
-    the graph replayed `iters` times; launch gaps inside the graph included."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (iters * reps) * 1e6
 
 
 def run_checks_main(checks: dict) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from kernels import fused
 
-from correctness.kernel_harness import assert_interpreted_ok, graph_time_us, run_checks_main
+from correctness.kernel_harness import assert_interpreted_ok, run_checks_main
 from kernels.fused import (qk_norm_rope_store, qk_norm_rope_store_reference, qk_norm_rope_store_triton, rmsnorm,
                            rmsnorm_reference, rmsnorm_triton, silu_mul, silu_mul_reference, silu_mul_triton)
 
@@ -419,40 +419,6 @@ def test_gpu_cuda_graph():
         assert_close(kc, kr, f"graph step {step} k cache")
         assert torch.equal(vc, vr), f"graph step {step} v cache"
         assert_close(act, want_act, f"graph step {step} act")
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_timings():
-    """Prints per-call times (pytest -s) at 8B shapes, kernel vs the eager reference ops, both graph-captured."""
-    dev = "cuda"
-    gen = torch.Generator().manual_seed(50)
-    N, H, KVH, D, CAP = 4096, 32, 8, 128, 4096
-    lines = []
-    for T in (1, 16):
-        x, res = rand(gen, T, N, dtype=BF16, device=dev), rand(gen, T, N, dtype=BF16, device=dev)
-        w = rand(gen, N, dtype=BF16, device=dev)
-        y, h = torch.empty_like(x), torch.empty_like(x)
-        lines.append((f"rmsnorm+residual N={N} T={T}",
-                      graph_time_us(lambda: rmsnorm_triton(x, w, EPS, res, out=y, h_out=h)),
-                      graph_time_us(lambda: rmsnorm_reference(x, w, EPS, res))))
-        for norms in ("both", None):
-            case = qk_case(gen, 1, T, H, KVH, D, D, norms, BF16, dev, cap=CAP, start=1000, layers=2, pad=0)
-            kc, vc = case["k_base"][1], case["v_base"][1]
-            args = (case["qkv"], H, KVH, D, case["q_norm"], case["k_norm"], EPS, case["cos"], case["sin"], kc, vc,
-                    case["slots"])
-            q = torch.empty(1, H, T, D, dtype=BF16, device=dev)
-            lines.append((f"qk_norm_rope_store H={H} KVH={KVH} D={D} norms={norms} T={T}",
-                          graph_time_us(lambda: qk_norm_rope_store_triton(*args, out=q)),
-                          graph_time_us(lambda: qk_norm_rope_store_reference(*args))))
-        for I in (14336, 12288):
-            gu = rand(gen, T, 2 * I, dtype=BF16, device=dev)
-            act = torch.empty(T, I, dtype=BF16, device=dev)
-            lines.append((f"silu_mul I={I} T={T}", graph_time_us(lambda: silu_mul_triton(gu, out=act)),
-                          graph_time_us(lambda: silu_mul_reference(gu))))
-    for name, us, ref in lines:
-        print(f"{name}: triton {us:.1f} us, reference {ref:.1f} us")
-    assert all(us > 0 for _, us, _ in lines)
 
 
 if __name__ == "__main__":  # python -m correctness.test_kernel_fused CHECK  (with TRITON_INTERPRET=1)

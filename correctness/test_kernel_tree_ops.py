@@ -20,7 +20,7 @@ import torch
 
 from kernels import tree_ops
 
-from correctness.kernel_harness import assert_interpreted_ok, graph_time_us, run_checks_main
+from correctness.kernel_harness import assert_interpreted_ok, run_checks_main
 from kernels.tree_ops import (build_tree_reference, build_tree_triton, compact_kv_reference, compact_kv_triton,
                               walk_tree_reference, walk_tree_triton)
 
@@ -501,34 +501,6 @@ def test_gpu_cuda_graph_round():
         assert_same(BUILD_NAMES, tree_g, want_tree, f"graph trial {trial}")
         assert_same(WALK_NAMES, walked_g, want_walk, f"graph trial {trial}")
         assert torch.equal(kc, wk) and torch.equal(vc, wv), f"graph trial {trial}: compacted cache"
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_timings():
-    """Prints per-call times of the three kernels (pytest -s): timing floors belong in perf/, not here."""
-    dev = "cuda"
-    gen = torch.Generator().manual_seed(15)
-    times = {}
-    for budget in (15, 32, 64):
-        _, logp, ids = topk_inputs(gen, 15, 8, VOCAB, dev)
-        out = build_out(budget, dev)
-        times[f"build_tree budget {budget}"] = graph_time_us(lambda: build_tree_triton(logp, ids, budget, out=out))
-    tree = build_tree_triton(logp, ids, 64)
-    post = posterior_for_path(random.Random(15), tree, VOCAB, int(tree[4])).to(dev)
-    wout = walk_out(15, dev)
-    times["walk_tree budget 64"] = graph_time_us(lambda: walk_tree_triton(post, tree[0], tree[1], tree[4], 15,
-                                                                           out=wout))
-    k = torch.randn(36, 1, 8, 4096, 128, device=dev).to(torch.bfloat16)
-    v = torch.randn_like(k)
-    start = torch.tensor(1000, device=dev)
-    path = torch.tensor([0, 2, 3, 9, 17, 30, 41, 50, 63] + [0] * 7, device=dev)
-    for acc in (1, 9):
-        acc_t = torch.tensor(acc, device=dev)
-        times[f"compact_kv 36x8x4096x128 bf16 accepted {acc}"] = graph_time_us(
-            lambda: compact_kv_triton(k, v, start, path, acc_t))
-    for name, us in times.items():
-        print(f"{name}: {us:.1f} us")
 
 
 if __name__ == "__main__":  # python -m correctness.test_kernel_tree_ops CHECK  (with TRITON_INTERPRET=1)

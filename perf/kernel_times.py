@@ -1,0 +1,174 @@
+"""Time each Triton kernel against its PyTorch reference at real shapes on a GPU: microseconds per call on random
+inputs, each kernel captured in a CUDA graph (launch gaps inside the graph included); a reference too where it
+never reads the device on the host, else eagerly (marked "eager": the decode loop never runs those in a graph).
+
+    python -m perf.kernel_times [--json kernel-times.json]
+
+Measurements, not tests: correctness/test_kernel_*.py check that each kernel computes its reference's function;
+this prints what each costs (perf/gpu_report.sh runs it).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def graph_time_us(fn, reps: int = 50, iters: int = 20) -> float:
+    """Microseconds per call of fn: `reps` calls captured in one CUDA graph (after a warm-up on a side stream),
+    the graph replayed `iters` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (iters * reps) * 1e6
+
+
+def eager_time_us(fn, reps: int = 20) -> float:
+    """Microseconds per call of fn run eagerly (host reads and launch costs included), after a warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+# References that read device values on the host (a Python heap, lengths, the accepted count): timed eagerly.
+EAGER_REFERENCES = ("build_tree", "walk_tree", "compact_kv", "tree_attention")
+
+
+def _fused(gen, bf16) -> list[tuple[str, object, object]]:
+    from kernels.fused import (qk_norm_rope_store_reference, qk_norm_rope_store_triton, rmsnorm_reference,
+                               rmsnorm_triton, silu_mul_reference, silu_mul_triton)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(bf16)
+
+    N, H, KVH, D, CAP, EPS = 4096, 32, 8, 128, 4096, 1e-6  # Qwen3-8B's attention and hidden width
+    cases = []
+    for T in (1, 16):
+        x, res, w = rand(T, N), rand(T, N), rand(N)
+        y, h = torch.empty_like(x), torch.empty_like(x)
+        cases.append((f"rmsnorm + residual N={N} T={T}", lambda: rmsnorm_triton(x, w, EPS, res, out=y, h_out=h),
+                      lambda: rmsnorm_reference(x, w, EPS, res)))
+        qkv, norm = rand(1, T, (H + 2 * KVH) * D), rand(D)
+        angles = torch.rand(1, T, D, generator=gen, device="cuda") * 6.28
+        cos, sin = angles.cos().to(bf16), angles.sin().to(bf16)
+        kc, vc = rand(1, KVH, CAP, D), rand(1, KVH, CAP, D)
+        slots = torch.arange(1000, 1000 + T, device="cuda")
+        args = (qkv, H, KVH, D, norm, norm, EPS, cos, sin, kc, vc, slots)
+        q = torch.empty(1, H, T, D, dtype=bf16, device="cuda")
+        cases.append((f"qk_norm_rope_store H={H} KVH={KVH} D={D} T={T}",
+                      lambda: qk_norm_rope_store_triton(*args, out=q), lambda: qk_norm_rope_store_reference(*args)))
+        for inter in (12288, 14336):
+            gu = rand(T, 2 * inter)
+            act = torch.empty(T, inter, dtype=bf16, device="cuda")
+            cases.append((f"silu_mul I={inter} T={T}", lambda: silu_mul_triton(gu, out=act),
+                          lambda: silu_mul_reference(gu)))
+    return cases
+
+
+def _tree(gen) -> list[tuple[str, object, object]]:
+    from kernels.topk import topk_logprobs_reference, topk_logprobs_triton
+    from kernels.tree_ops import (build_tree_reference, build_tree_triton, compact_kv_reference, compact_kv_triton,
+                                  walk_tree_reference, walk_tree_triton)
+
+    vocab = 151936  # Qwen3's
+    logits = torch.randn(15, vocab, generator=gen, device="cuda")
+    cases = [("topk_logprobs [15, 151936] k=8", lambda: topk_logprobs_triton(logits, 8),
+              lambda: topk_logprobs_reference(logits, 8))]
+    logp, ids = topk_logprobs_triton(logits, 8)
+    for budget in (15, 32, 64):
+        cases.append((f"build_tree budget {budget}", lambda b=budget: build_tree_triton(logp, ids, b),
+                      lambda b=budget: build_tree_reference(logp, ids, b)))
+    tokens, parents, _, _, n_nodes = build_tree_triton(logp, ids, 64)
+    posterior = torch.randint(vocab, (65,), generator=gen, device="cuda")
+    posterior[0] = tokens[0]  # the first node is accepted, so the walk goes at least one level deep
+    cases.append(("walk_tree budget 64", lambda: walk_tree_triton(posterior, tokens, parents, n_nodes, 15),
+                  lambda: walk_tree_reference(posterior, tokens, parents, n_nodes, 15)))
+    k = torch.randn(36, 1, 8, 4096, 128, generator=gen, device="cuda").to(torch.bfloat16)  # Qwen3-8B's cache
+    v = torch.randn_like(k)
+    start = torch.tensor(1000, device="cuda")
+    path = torch.tensor([0, 2, 3, 9, 17, 30, 41, 50, 63] + [0] * 7, device="cuda")
+    for accepted in (1, 9):
+        n = torch.tensor(accepted, device="cuda")
+        cases.append((f"compact_kv 36x8x4096x128 bf16, {accepted} accepted",
+                      lambda n=n: compact_kv_triton(k, v, start, path, n),
+                      lambda n=n: compact_kv_reference(k, v, start, path, n)))
+    return cases
+
+
+def _attention(gen, bf16) -> list[tuple[str, object, object]]:
+    from kernels.tree_attention import tree_attention_reference, tree_attention_triton
+
+    cases = []
+    for T in (1, 16, 65):
+        q = torch.randn(1, 32, T, 128, generator=gen, device="cuda").to(bf16)
+        kc = torch.randn(1, 8, 4096, 128, generator=gen, device="cuda").to(bf16)
+        vc = torch.randn_like(kc)
+        mask = torch.ones(T, T, dtype=torch.bool, device="cuda").tril()
+        start = torch.tensor(2000, device="cuda")
+        cases.append((f"tree_attention H=32 KVH=8 D=128 T={T} start=2000",
+                      lambda q=q, kc=kc, vc=vc, mask=mask: tree_attention_triton(q, kc, vc, start, mask),
+                      lambda q=q, kc=kc, vc=vc, mask=mask: tree_attention_reference(q, kc, vc, 2000, mask)))
+    return cases
+
+
+def _cross_entropy(gen) -> list[tuple[str, object, object]]:
+    from kernels.cross_entropy import cross_entropy_reference, cross_entropy_triton
+
+    logits = (torch.randn(15360, 49152, generator=gen, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(49152, (15360,), generator=gen, device="cuda")
+
+    def step(fn):
+        return lambda: fn(logits, labels)[0].sum().backward()
+    return [("cross_entropy [15360, 49152] bf16, forward + backward", step(cross_entropy_triton),
+             step(cross_entropy_reference))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="also write the times to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: kernel times need a CUDA GPU", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf16 = torch.bfloat16
+    rows = []
+    for name, kernel, reference in _fused(gen, bf16) + _tree(gen) + _attention(gen, bf16) + _cross_entropy(gen):
+        reps = 3 if name.startswith("cross_entropy") else 50
+        eager = name.startswith(EAGER_REFERENCES)
+        rows.append(dict(kernel=name, triton_us=graph_time_us(kernel, reps=reps),
+                         reference_us=eager_time_us(reference) if eager else graph_time_us(reference, reps=reps),
+                         reference_timing="eager" if eager else "graph"))
+        print(f"{name}: done", file=sys.stderr)
+    width = max(len(r["kernel"]) for r in rows)
+    print(f"{'kernel':<{width}}  {'Triton us':>10}  {'reference us':>12}")
+    for r in rows:
+        print(f"{r['kernel']:<{width}}  {r['triton_us']:>10.1f}  {r['reference_us']:>12.1f}"
+              + ("  (eager)" if r["reference_timing"] == "eager" else ""))
+    if args.json:
+        from engine.results import environment, write_json
+
+        write_json(args.json, dict(environment=environment(torch.device("cuda")), times=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
