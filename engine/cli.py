@@ -17,6 +17,14 @@ from . import workloads
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are the engine's one `error:` line and exit code 2 (subcommands inherit it)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"{DEFAULT_TARGET} (embedded default), synthetic:<preset>, an HF directory or a .gguf file")
@@ -33,7 +41,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    parser = _Parser(prog="python -m engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="decode one prompt greedily")
@@ -134,12 +142,15 @@ def _load(args, tp_device, tp):
 
 
 def cmd_generate(args, tp=None, tp_device=None) -> int:
-    from .results import write_json
+    from .results import check_writable, write_json
+
     if args.budget < 0:
         raise EngineError(f"budget must be >= 0, got {args.budget}")
     if args.max_new_tokens < 1:
         raise EngineError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
     _check_sizes(args)
+    if args.json:
+        check_writable(args.json)
     ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     target, device, dtype = _load(args, tp_device, tp)
     if ids is None:
@@ -170,8 +181,11 @@ def cmd_generate(args, tp=None, tp_device=None) -> int:
 def _parse_lengths(text: str, device) -> dict[str, int]:
     defaults, lengths = workloads.lengths_for(device.type), {}
     for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        if value:
+        name, eq, value = item.partition("=")
+        if not name or name in lengths:
+            raise EngineError(f"bad length {item!r}: {'a repeated' if name else 'an empty'} name (short, long, or "
+                              f"NAME=TOKENS)")
+        if eq:
             if not value.isdigit() or int(value) < 1:
                 raise EngineError(f"bad length {item!r}: NAME=TOKENS with TOKENS >= 1")
             lengths[name] = int(value)
@@ -200,9 +214,10 @@ def _parse_acceptance(text: str) -> float | None:
 def cmd_bench(args, tp=None, tp_device=None) -> int:
     from .bench import device_bandwidth, format_table, hf_generate_tok_s, parse_workloads, summarize, weight_bytes
     from .measure import Bench, Method
-    from .results import environment, write_json
+    from .results import check_writable, environment, write_json
 
     _check_sizes(args)
+    check_writable(args.json)
     device, dtype = _device_dtype(args, tp_device)
     runs = workloads.runs_for(device.type)
     repeats = args.repeats if args.repeats is not None else runs["repeats"]
@@ -223,7 +238,7 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     drafter = load_drafter(args.draft, target, args.block_size, args.seed) if needs_draft else None
     bench = Bench(target, drafter, warmup=warmup, repeats=repeats, miss_rate=miss_rate, stop_at_eos=args.stop_at_eos,
                   topk_cap=args.topk_cap)
-    records = bench.matrix(methods, chosen, lengths, progress=main_rank)
+    records = bench.matrix(methods, chosen, lengths, progress=main_rank)  # checks positions and memory first
     if not main_rank:
         return 0 if all(r["lossless"] for r in records) else 1
     bandwidth = device_bandwidth(device)
@@ -263,7 +278,7 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
 
 def cmd_train_draft(args) -> int:
     from .measure import heldout_acceptance
-    from .results import write_json
+    from .results import check_writable, write_json
     from .train_draft import TrainSettings, train
 
     settings = TrainSettings(**{k: getattr(args, k) for k in asdict(TrainSettings(out="")) if k != "out"},
@@ -284,6 +299,7 @@ def cmd_train_draft(args) -> int:
         raise EngineError(f"--distill is the KL's share of the loss, from 0 to 1; got {settings.distill}")
     if not 0 <= settings.self_written <= 1:
         raise EngineError(f"--self-written is a share of the prompts, from 0 to 1; got {settings.self_written}")
+    check_writable(Path(args.out) / "summary.json", "a training run")
     device = _device(args.device)
     # the target in the dtype the engine decodes in, for the answers and the held-out check; the draft trains in
     # float32 master weights with bf16 autocast on GPUs

@@ -173,8 +173,24 @@ class Decoder:
             parts["draft"] = 3 * (self.block_size - 1) * cfg.vocab_size * 4 + draft_cache
         return parts
 
-    def _check_memory(self, capacity: int) -> None:
-        """Refuse a request that cannot fit, with the numbers, instead of failing deep in an allocation."""
+    def _capacity(self, n_prompt: int, max_new_tokens: int) -> int:
+        """Cache slots a request needs: room for one round run ahead past the length limit, rounded up (fewer
+        re-allocations and graph captures)."""
+        needed = n_prompt + max_new_tokens + 2 * (self.nodes + self.block_size) + 1
+        return -(-needed // 256) * 256
+
+    def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
+        """Refuse a request that the position limit or the device's memory cannot hold, with the numbers, before
+        anything runs or is allocated."""
+        cfg = self.target.cfg
+        if max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if n_prompt + max_new_tokens > cfg.max_position:
+            raise EngineError(f"prompt ({n_prompt} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
+                              f"the target's position limit of {cfg.max_position}")
+        capacity = self._capacity(n_prompt, max_new_tokens)
+        if capacity <= self.capacity:
+            return  # already allocated
         parts = self.round_bytes(capacity)
         need, free = sum(parts.values()), available_bytes(self.target.device)
         if free is not None and need > free:
@@ -184,8 +200,6 @@ class Decoder:
                               f"{self.target.device} has {gib(free)} available")
 
     def _allocate(self, capacity: int) -> None:
-        capacity = -(-capacity // 256) * 256  # round up: fewer re-allocations (and graph captures)
-        self._check_memory(capacity)
         dev, block = self.target.device, self.block_size
         self.capacity = capacity
         width = len(self.feature_layers) * self.target.cfg.hidden_size
@@ -205,17 +219,13 @@ class Decoder:
         self.graphs = None
 
     def _check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        cfg = self.target.cfg
-        if max_new_tokens < 1:
-            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        vocab = self.target.cfg.vocab_size
         if not prompt_ids:
             raise EngineError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise EngineError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-        if len(prompt_ids) + max_new_tokens > cfg.max_position:
-            raise EngineError(f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
-                              f"the target's position limit of {cfg.max_position}")
+            raise EngineError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.check_fits(len(prompt_ids), max_new_tokens)
 
     # ------------------------------------------------------------------------------------------------ stages
 
@@ -283,9 +293,8 @@ class Decoder:
         target, dev = self.target, self.target.device
         stop = set(stop_ids)
         n_prompt = len(prompt_ids)
-        needed = n_prompt + max_new_tokens + 2 * (self.nodes + self.block_size) + 1  # room for a round run ahead
-        if needed > self.capacity:
-            self._allocate(needed)
+        if self._capacity(n_prompt, max_new_tokens) > self.capacity:
+            self._allocate(self._capacity(n_prompt, max_new_tokens))
         s = self.seq
         s.cache.reset()
         if self.speculative:

@@ -62,8 +62,14 @@ def _safetensors_files(path: Path) -> list[Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise EngineError(f"{index}: malformed safetensors index ({e})") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise EngineError(f"{index}: malformed safetensors index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise EngineError(f"{index}: weight_map must map tensor names to shard file names")
+        inside = path.resolve()
+        outside = [f for f in weight_map.values() if not (path / f).resolve().is_relative_to(inside)]
+        if outside:
+            raise EngineError(f"{index}: shard {outside[0]!r} lies outside the checkpoint directory")
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
@@ -153,6 +159,25 @@ def _read_config(path: Path) -> dict:
     return raw
 
 
+# Shape fields a config must give: transformers would fill in a default (a Llama of hidden size 4096) for a missing one.
+TARGET_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+DRAFT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "block_size", "num_target_layers")
+
+
+def _check_fields(raw: dict, required: tuple[str, ...], where: str) -> None:
+    """Required shape fields present, and every size a positive integer: one error naming the field."""
+    for name in required:
+        if name not in raw:
+            raise EngineError(f"{where}: config.json lacks {name!r}")
+    for name in (*required, *OPTIONAL_SIZES):
+        value = raw.get(name)
+        if value is None and name not in required:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise EngineError(f"{where}: config.json's {name} must be a positive integer, got {value!r}")
+
+
 def _hf_config(raw: dict, where: str):
     from transformers import AutoConfig
 
@@ -190,6 +215,7 @@ def load_hf_target(path: Path, device, dtype, name: str) -> Target:
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise EngineError(f"{path}: unsupported model_type {raw.get('model_type')!r} "
                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    _check_fields(raw, TARGET_FIELDS, str(path))
     hf = _hf_config(raw, str(path))
     check_full_attention(hf, str(path))
     cfg = ModelConfig.from_hf(hf, where=str(path))
@@ -224,7 +250,11 @@ def _load_tokenizer(path: Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # tokenizers, sentencepiece and transformers raise many types for damaged files
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise EngineError(f"{path}: unreadable tokenizer files ({type(e).__name__}: {reason[:200]})") from None
 
 
 def synthetic_target(preset: str, device, dtype, seed: int = 0) -> Target:
@@ -270,14 +300,19 @@ def convert_gguf(gguf: Path) -> Path:
     """De-quantize a GGUF checkpoint once with transformers and cache it as an HF directory (safetensors)."""
     st = gguf.stat()
     out = cache_root() / "gguf" / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # A killed conversion leaves its half-written folder (540 MB for the default target); its pid names it, and a
+    # gone pid marks it stale. Folders of the older naming (.tmp-*) are removed under the lock, which every
+    # conversion holds while it writes.
+    remove_stale_temporaries(out.parent)
     if (out / "config.json").exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time (pytest-xdist workers share the cache)
         if (out / "config.json").exists():
             return out
-        remove_stale_temporaries(out.parent)  # a killed conversion's half-written folder (540 MB for the default)
+        for old in out.parent.glob(".tmp-*"):
+            shutil.rmtree(old, ignore_errors=True)
         print(f"converting {gguf.name} once; cached in {out}", file=sys.stderr)
         tmp = temporary_sibling(out, folder=True)
         try:
@@ -297,6 +332,9 @@ def _write_hf_dir(gguf: Path, dst: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except ImportError as e:
         raise EngineError(f"reading {gguf.name} needs the gguf package ({e})") from None
+    except Exception as e:  # the gguf reader raises many types for a damaged or foreign file
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise EngineError(f"{gguf}: not a readable GGUF checkpoint ({type(e).__name__}: {reason[:200]})") from None
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
@@ -328,6 +366,9 @@ def load_drafter(spec: str | None, target: Target, block_size: int | None = None
         draft = random_draft(target, int(layers), seed)
     else:
         draft = load_dflash_draft(Path(spec).expanduser(), target)
+    block = draft.dcfg.block_size if block_size is None else block_size
+    if block > target.model.cfg.max_position:  # checked before the drafter allocates its [block, block] mask
+        raise EngineError(f"block size {block} exceeds the target's position limit of {target.model.cfg.max_position}")
     return DFlashDrafter(draft, target.model, block_size)
 
 
@@ -340,24 +381,50 @@ def random_draft(target: Target, layers: int, seed: int = 0) -> DFlashDraftModel
     return draft
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _dflash_fields(raw: dict, num_layers: int, where: str) -> tuple[list | None, int | None, list, int | None]:
+    """(target_layer_ids or None, mask_token_id or None, layer_types, sliding_window) of a draft's config.json, each
+    of the type the public format gives it, or one error naming the field."""
+    dflash = raw.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise EngineError(f"{where}: dflash_config must be a JSON object, got {dflash!r}")
+    ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+    if ids is not None and (not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids)):
+        raise EngineError(f"{where}: target_layer_ids must be a non-empty list of layer indices, got {ids!r}")
+    mask_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
+    if mask_id is not None and not _is_int(mask_id):
+        raise EngineError(f"{where}: mask_token_id must be a token id (an integer), got {mask_id!r}")
+    layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
+    kinds = ("full_attention", "sliding_attention")
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers or any(t not in kinds for t in layer_types):
+        raise EngineError(f"{where}: layer_types must list {num_layers} of {', '.join(kinds)}, got {layer_types!r}")
+    window = raw.get("sliding_window")
+    if "sliding_attention" in layer_types and (not _is_int(window) or window < 1):
+        raise EngineError(f"{where}: sliding layers need a positive integer sliding_window, got {window!r}")
+    return ids, mask_id, layer_types, window
+
+
 def load_dflash_draft(path: Path, target: Target) -> DFlashDraftModel:
     if not path.exists():
         raise EngineError(f"draft path {path} does not exist")
     raw = _read_config(path)
-    dflash = raw.get("dflash_config") or {}
+    dflash = raw.get("dflash_config")
     if "DFlashDraftModel" not in (raw.get("architectures") or []) and not dflash and "block_size" not in raw:
         raise EngineError(f"{path}: not a DFlash draft (config.json has no dflash_config or block_size)")
-    if dflash.get("causal"):
+    if isinstance(dflash, dict) and dflash.get("causal"):
         raise EngineError(f"{path}: causal DFlash drafts are not supported (dflash_config.causal is true)")
+    _check_fields(raw, DRAFT_FIELDS, str(path))
+    ids, mask_id, layer_types, window = _dflash_fields(raw, raw["num_hidden_layers"], str(path))
     raw = {**raw, "model_type": raw.get("model_type") or "qwen3"}
     hf = _hf_config(raw, str(path))
     files = _safetensors_files(path)
     tcfg = target.model.cfg
     cfg = _with_weight_flags(ModelConfig.from_hf(hf, where=str(path)), _checkpoint_keys(files))
     n_target = tcfg.num_layers
-    ids = dflash.get("target_layer_ids") or raw.get("target_layer_ids") or \
-        default_target_layer_ids(raw.get("num_target_layers", n_target), cfg.num_layers)
-    mask_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
+    ids = ids or default_target_layer_ids(raw.get("num_target_layers", n_target), cfg.num_layers)
     problems = []
     if cfg.hidden_size != tcfg.hidden_size:
         problems.append(f"hidden size {cfg.hidden_size} != target's {tcfg.hidden_size}")
@@ -371,10 +438,7 @@ def load_dflash_draft(path: Path, target: Target) -> DFlashDraftModel:
         problems.append(f"mask_token_id {mask_id} is not a token of the target")
     if problems:
         raise EngineError(f"draft {path} does not fit target {target.name}: {'; '.join(problems)}")
-    layer_types = raw.get("layer_types") or ["full_attention"] * cfg.num_layers
-    window = raw.get("sliding_window")
-    dcfg = DraftConfig(cfg, block_size=int(raw.get("block_size", 16)), mask_token_id=int(mask_id),
-                       target_layer_ids=tuple(int(i) for i in ids),
+    dcfg = DraftConfig(cfg, block_size=raw.get("block_size", 16), mask_token_id=mask_id, target_layer_ids=tuple(ids),
                        sliding_window=tuple(window if t == "sliding_attention" else None for t in layer_types))
     draft = _empty(lambda: DFlashDraftModel(dcfg), target.model.device, target.model.dtype)
     _fill(draft, files, f"draft {path}")

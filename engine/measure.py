@@ -148,11 +148,21 @@ class Bench:
                     tok_s_median=None,
                     per_prompt={w: dict(tau=r["tau"], tok_s_median=r["tok_s_median"]) for w, r in runs.items()})
 
+    def check(self, methods: list[str], workloads: list[str], lengths: dict[str, int]) -> None:
+        """Refuse, before anything runs, a matrix whose longest prompt plus length passes the position limit or whose
+        rounds the device's memory cannot hold (Decoder.check_fits, per method)."""
+        longest = max(len(prompt_ids(self.target, w)) for w in workloads)
+        new_tokens = max(lengths.values())
+        self._reference_decoder.check_fits(longest, new_tokens)
+        for name in methods:
+            self._decoder(Method.parse(name, self.topk_cap), longest + new_tokens).check_fits(longest, new_tokens)
+
     def matrix(self, methods: list[str], workloads: list[str], lengths: dict[str, int], progress: bool = True
                ) -> list[dict]:
         """Every method on every (workload, length), with a progress bar on stderr; one record each."""
         from tqdm import tqdm
 
+        self.check(methods, workloads, lengths)
         parsed = [Method.parse(m, self.topk_cap) for m in methods]
         total = len(workloads) * len(lengths) * (len(parsed) * (self.repeats + self.warmup) + 1)
         records = []

@@ -72,13 +72,17 @@ def _replace_atomically(path: Path, write) -> None:
 
 
 def check_writable(path: str | os.PathLike, what: str = "results") -> None:
-    """Fail before a long run, not after it, when its result file cannot be written there."""
+    """Fail before a long run, not after it, when its result file cannot be written there (creates nothing)."""
     path = Path(path)
+    if path.is_dir():
+        raise EngineError(f"cannot write {what} to {path}: it is a directory")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise EngineError(f"cannot write {what} to {path}: {folder} is not a directory")
     try:
-        if path.is_dir():
-            raise EngineError(f"cannot write {what} to {path}: it is a directory")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary_sibling(path).unlink()
+        temporary_sibling(folder / path.name).unlink()
     except OSError as e:
         raise EngineError(f"cannot write {what} to {path} ({e.strerror or e})") from None
 

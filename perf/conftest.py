@@ -23,9 +23,13 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    from engine.errors import EngineError
+    from engine.results import check_writable
+
     try:
         config.perf_floors = load(config.getoption("floors"))
-    except FloorsError as e:
+        check_writable(config.getoption("perf_results"), "the perf results (--perf-results)")
+    except (FloorsError, EngineError) as e:
         raise pytest.UsageError(str(e)) from None
     # One GPU per xdist worker, chosen before anything creates a CUDA context: `pytest perf -m tp1 -n 8`.
     worker = os.environ.get("PYTEST_XDIST_WORKER")

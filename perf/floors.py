@@ -48,8 +48,8 @@ def load(path: Path = FLOORS_PATH) -> dict[tuple, dict]:
             raise FloorsError(f"{where}: missing field {missing[0]!r}")
         for name in ("tok_s", "tau"):
             value = entry.get(name)
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
-                raise FloorsError(f"{where}: {name} must be a positive number or null, got {value!r}")
+            if value is not None and not _positive(value):
+                raise FloorsError(f"{where}: {name} must be a positive finite number or null, got {value!r}")
         if not isinstance(entry.get("pinned", False), bool):
             raise FloorsError(f"{where}: pinned must be true or false, got {entry['pinned']!r}")
         if not isinstance(entry["tp"], int) or entry["tp"] < 1:
@@ -61,11 +61,25 @@ def load(path: Path = FLOORS_PATH) -> dict[tuple, dict]:
     return floors
 
 
+def _positive(x) -> bool:
+    """A positive finite number (JSON's NaN and Infinity, booleans and strings are not)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
 def _round_down(x: float, digits: int) -> float:
     """A floor must not exceed what it was recorded from: round towards zero (round() may go up, and with a margin
     of 1 the very run it came from would fail)."""
     scale = 10 ** digits
     return math.floor(x * scale) / scale
+
+
+def _floor_of(r: dict, field: str, margin: float, digits: int, where: str) -> float:
+    """measured * margin, rounded down; one error for a value no floor can come from (zero, NaN, a string)."""
+    value = r[field]
+    floor = _round_down(value * margin, digits) if _positive(value) else 0.0
+    if not floor > 0:
+        raise FloorsError(f"{where}: {field} {value!r} gives no positive floor (margin {margin})")
+    return floor
 
 
 def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: float = 0.9,
@@ -85,19 +99,30 @@ def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: fl
         records = results.get("records") if isinstance(results, dict) else None
         if not isinstance(records, list):
             raise FloorsError(f"{path}: expected a perf results file with a 'records' list")
-        for r in records:
-            if not r.get("lossless", False):
+        for i, r in enumerate(records):
+            where = f"{path}: records[{i}]"
+            if not isinstance(r, dict):
+                raise FloorsError(f"{where}: not an object")
+            if r.get("lossless") is not True:
                 continue  # never raise a floor from output that was not right
+            missing = [f for f in (*KEY_FIELDS, "tau") if f not in r]
+            if missing:
+                raise FloorsError(f"{where}: missing field {missing[0]!r}")
             key = floor_key(*(r[f] for f in KEY_FIELDS))
             if floors.get(key, {}).get("pinned"):
                 continue  # a target, not a measurement
             timed = r["device"] != "cpu" and r.get("tok_s_median") is not None  # the held-out record has no tok/s
-            tok_s = _round_down(r["tok_s_median"] * margin, 2) if timed else None
-            floors[key] = dict(zip(KEY_FIELDS, key), tok_s=tok_s, tau=_round_down(r["tau"] * tau_margin, 3))
+            tok_s = _floor_of(r, "tok_s_median", margin, 2, where) if timed else None
+            floors[key] = dict(zip(KEY_FIELDS, key), tok_s=tok_s, tau=_floor_of(r, "tau", tau_margin, 3, where))
             written += 1
+    from engine.errors import EngineError
     from engine.results import write_json
 
-    write_json(floors_path, dict(version=1, floors=sorted(floors.values(), key=lambda e: tuple(map(str, e.values())))))
+    try:
+        write_json(floors_path, dict(version=1, floors=sorted(floors.values(),
+                                                              key=lambda e: tuple(map(str, e.values())))))
+    except EngineError as e:
+        raise FloorsError(str(e)) from None
     return written
 
 

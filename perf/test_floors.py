@@ -22,7 +22,7 @@ def write(tmp_path, obj, name="floors.json"):
 @pytest.mark.parametrize("content,mentions", [
     ("{not json", "malformed JSON"),
     ({"version": 2, "floors": []}, "version"),
-    ({"version": 1, "floors": [{**ENTRY, "tau": -1}]}, "tau must be a positive number"),
+    ({"version": 1, "floors": [{**ENTRY, "tau": -1}]}, "tau must be a positive finite number"),
     ({"version": 1, "floors": [{k: v for k, v in ENTRY.items() if k != "method"}]}, "missing field 'method'"),
     ({"version": 1, "floors": [ENTRY, ENTRY]}, "duplicate key"),
     ({"version": 1, "floors": [{**ENTRY, "tp": 0}]}, "tp must be a positive integer"),
