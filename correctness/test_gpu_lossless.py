@@ -59,6 +59,27 @@ def test_synthetic_qwen3_lossless_on_gpu():
     assert check_pair(target, prompts, 48) >= 0.9  # spread synthetic logits: near-ties are rare
 
 
+def test_budget_past_the_tree_attention_kernel_runs_eagerly():
+    """More verified rows than tree attention's kernel takes (MAX_TRITON_T): no CUDA graphs (the reference reads
+    lengths on the host, which a graph cannot hold), and still lossless."""
+    from kernels.tree_attention import MAX_TRITON_T
+
+    target = engine.load_target("synthetic:qwen3-0.6b", "cuda", torch.bfloat16)
+    drafter = engine.load_drafter("random:1", target)
+    prompt = list(range(100, 140))
+    ref = engine.Decoder(target.model).generate(prompt, 40, record_margins=True)
+    for budget in (MAX_TRITON_T - 1, MAX_TRITON_T + 32):
+        oracle = engine.OracleDrafter(prompt + ref.tokens, target.model.cfg.vocab_size, drafter.block_size,
+                                      device="cuda", cost=drafter, max_length=len(prompt) + 40)
+        for d in (drafter, oracle):
+            decoder = engine.Decoder(target.model, d, engine.DecodeSettings("ddtree", budget))
+            assert decoder.cuda_graphs == (budget + 1 <= MAX_TRITON_T)
+            for _ in range(2):  # the second run replays the graphs where there are any
+                result = decoder.generate(prompt, 40)
+                verdict = compare_tokens(ref.tokens, ref.margins, result.tokens, tolerance_for(torch.bfloat16))
+                assert verdict.ok, f"budget {budget} {type(d).__name__}: {verdict.describe()}"
+
+
 def test_decoders_sharing_a_drafter_recapture_after_it_grows():
     """Two decoders over one drafter: a longer request through the second re-allocates the drafter's cache, so the
     first must capture its graphs again instead of replaying graphs over freed buffers (as the perf suite does)."""

@@ -26,6 +26,7 @@ import torch
 
 from kernels import triton_disabled
 from kernels.topk import topk_logprobs
+from kernels.tree_attention import MAX_TRITON_T
 from kernels.tree_ops import build_tree, compact_kv, walk_tree
 
 from .cache import ModelCache
@@ -143,8 +144,10 @@ class Decoder:
             else settings.budget
         self.feature_layers = tuple(drafter.feature_layers) if self.speculative else ()
         on_gpu = target.device.type == "cuda"
-        # The PyTorch references read lengths on the host, so graphs need the Triton kernels.
-        graphable = (not self.speculative or drafter.graphable) and not triton_disabled()
+        # The PyTorch references read lengths on the host, so graphs need the Triton kernels, and tree attention
+        # has its kernel up to MAX_TRITON_T verified rows (a larger DDTree budget runs eagerly).
+        graphable = ((not self.speculative or drafter.graphable) and not triton_disabled()
+                     and 1 + self.nodes <= MAX_TRITON_T)
         self.cuda_graphs = (on_gpu and graphable) if cuda_graphs is None else (cuda_graphs and on_gpu and graphable)
         # one round in flight ahead of the host (None: on a GPU; on a CPU it only costs a round at stop tokens)
         self.run_ahead = on_gpu if run_ahead is None else run_ahead

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The README's GPU performance tables in one run: synthetic:qwen3-8b (random 5-layer draft, synthetic acceptance)
+# The GPU tables of docs/performance.md in one run: synthetic:qwen3-8b (random 5-layer draft, synthetic acceptance)
 # and the embedded default pair (real acceptance), AR / DFlash / DDTree 15, 32, 64, each against transformers'
-# generate in the same process, then the kernels of a DDTree-15 round by device time.
+# generate in the same process; the kernels of a DDTree-15 round by device time; each Triton kernel against its
+# reference.
 #   bash perf/gpu_report.sh [OUTDIR]     (default gpu-report/; JSON results, logs and the profile land there)
 set -euo pipefail
 out=${1:-gpu-report}
@@ -17,3 +18,5 @@ run default
 echo "== profile: synthetic:qwen3-8b, DDTree budget 15"
 python3 -m perf.profile_round --target synthetic:qwen3-8b --draft random:5 --method ddtree --budget 15 --rows 20 \
   | tee "$out/profile-qwen3-8b-ddtree15.txt" | head -30
+echo "== kernels against their references"
+python3 -m perf.kernel_times --json "$out/kernel-times.json" 2>"$out/kernel-times.log"
