@@ -1,6 +1,6 @@
 """`python -m engine train-draft` at toy scale on a CPU: data from the target's own greedy answers, a few training
 steps, a checkpoint that resumes, a draft in the public DFlash format that the loader reads and that decodes
-losslessly, and the held-out acceptance summary. (The committed default draft is trained on a GPU: README.)"""
+losslessly, and the held-out acceptance summary. (The committed default draft is trained on a GPU: docs/training.md.)"""
 from __future__ import annotations
 
 import json

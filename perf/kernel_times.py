@@ -48,8 +48,8 @@ def eager_time_us(fn, reps: int = 20) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-# References that read device values on the host (a Python heap, lengths, the accepted count): timed eagerly.
-EAGER_REFERENCES = ("build_tree", "walk_tree", "compact_kv", "tree_attention")
+# References that read device values on the host (ties, a Python heap, lengths, the accepted count): timed eagerly.
+EAGER_REFERENCES = ("topk_logprobs", "build_tree", "walk_tree", "compact_kv", "tree_attention")
 
 
 def _fused(gen, bf16) -> list[tuple[str, object, object]]:
