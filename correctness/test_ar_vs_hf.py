@@ -7,7 +7,7 @@ import torch
 import engine
 from engine.exactness import compare_tokens, tolerance_for
 
-from .conftest import TINY
+from .checkpoints import TINY
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos) -> tuple[list[int], list[float]]:

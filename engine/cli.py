@@ -63,8 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workloads", default=",".join(workloads.WORKLOADS),
                    help=f"comma-separated: {', '.join(workloads.WORKLOADS)}, the held-out prompts' names (HELDOUT in "
                         f"engine/workloads.py), or heldout: the whole held-out set")
+    gpu, cpu = workloads.lengths_for("cuda"), workloads.lengths_for("cpu")
     b.add_argument("--lengths", default="short,long",
-                   help="short, long, or NAME=TOKENS entries (short/long: 256/2048 on a GPU, 32/64 on a CPU)")
+                   help=f"short, long, or NAME=TOKENS entries (short/long: {gpu['short']}/{gpu['long']} new tokens on "
+                        f"a GPU, {cpu['short']}/{cpu['long']} on a CPU)")
     b.add_argument("--repeats", type=int, default=None,
                    help="timed runs per combination, median reported (default: 3 on a GPU, 1 on a CPU)")
     b.add_argument("--warmup", type=int, default=None,
