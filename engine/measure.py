@@ -94,9 +94,7 @@ class Bench:
 
     def _decoder(self, method: Method, length: int) -> Decoder:
         drafter = self._drafter_for(length) if method.drafts else None
-        if method.name not in self._decoders:
-            if method.drafts and drafter is None:
-                raise EngineError(f"method {method.name} needs a draft")
+        if method.name not in self._decoders:  # Decoder refuses a drafting method without a drafter
             self._decoders[method.name] = Decoder(self.target.model, drafter, method.settings)
         return self._decoders[method.name]
 

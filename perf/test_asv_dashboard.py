@@ -80,6 +80,26 @@ def _rows(dom: str) -> dict[str, str]:
     return rows
 
 
+_PERF_SUITE_TAU = """
+import sys, torch, engine
+from engine.measure import Bench
+from engine.workloads import lengths_for, pairs, runs_for
+p = pairs(on_gpu=False)[sys.argv[1]]
+target = engine.load_target(p.target, "cpu", torch.float32)
+bench = Bench(target, engine.load_drafter(p.draft, target), miss_rate=p.miss_rate, **runs_for("cpu"))
+print(bench.measure(sys.argv[2], lengths_for("cpu")["short"], sys.argv[3])["tau"])
+"""
+
+
+def _perf_suite_tau(pair: str, workload: str, method: str, env: dict) -> float:
+    """tau of one combination as the perf suite measures it on a CPU (its Bench, the registry's length and runs), in
+    a process like asv's (the same environment, so the same threads and rounding)."""
+    p = subprocess.run([sys.executable, "-c", _PERF_SUITE_TAU, pair, workload, method], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return float(p.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.cpu
 def test_asv_run_publish_and_dashboard(tmp_path, serve):
@@ -129,6 +149,10 @@ def test_asv_run_publish_and_dashboard(tmp_path, serve):
         assert math.isnan(values[name][("default", "json", "ar")])  # outside ASV_ENGINE_WORKLOADS: skipped
     assert values["track_tau"][("default", "fib", "ar")] == 1.0  # AR commits one token per round
     assert values["track_tau"][("default-synthetic", "fib", "ddtree-15")] > 1.0  # the oracle's tokens are accepted
+    # asv measures what the perf suite measures (one loop, one registry): the same tau for the same combination
+    for pair in PAIRS:
+        want = _perf_suite_tau(pair, "fib", "ddtree-15", env)
+        assert values["track_tau"][(pair, "fib", "ddtree-15")] == pytest.approx(want, rel=1e-12), pair
 
     _asv(["publish"], cfg, env, 300)
     offline.vendor(tmp_path / "html")
