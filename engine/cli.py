@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from . import workloads
 from .decode import METHODS, DecodeSettings, Decoder
 from .errors import EngineError
 from .loading import DEFAULT_TARGET, load_drafter, load_target
-from . import workloads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,10 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lengths", default="short,long",
                    help=f"short, long, or NAME=TOKENS entries (short/long: {gpu['short']}/{gpu['long']} new tokens on "
                         f"a GPU, {cpu['short']}/{cpu['long']} on a CPU)")
+    gpu_runs, cpu_runs = workloads.runs_for("cuda"), workloads.runs_for("cpu")
     b.add_argument("--repeats", type=int, default=None,
-                   help="timed runs per combination, median reported (default: 3 on a GPU, 1 on a CPU)")
+                   help=f"timed runs per combination, median reported (default: {gpu_runs['repeats']} on a GPU, "
+                        f"{cpu_runs['repeats']} on a CPU)")
     b.add_argument("--warmup", type=int, default=None,
-                   help="untimed runs per combination first (default: 1 on a GPU, 0 on a CPU)")
+                   help=f"untimed runs per combination first (default: {gpu_runs['warmup']} on a GPU, "
+                        f"{cpu_runs['warmup']} on a CPU)")
     b.add_argument("--stop-at-eos", action="store_true", help="stop at end-of-sequence (default: fixed lengths)")
     b.add_argument("--acceptance", default="real",
                    help="real, or synthetic[:MISS_RATE]: the draft runs, an oracle from the AR output replaces its "
