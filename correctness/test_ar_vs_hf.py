@@ -7,17 +7,7 @@ import torch
 import engine
 from engine.exactness import compare_tokens, tolerance_for
 
-from .checkpoints import TINY
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos) -> tuple[list[int], list[float]]:
-    """transformers' greedy generate: tokens and the top-1 minus top-2 margin of each step's raw logits."""
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0,
-                         output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    margins = [float(t[0] - t[1]) for t in (logits[0].float().topk(2).values for logits in out.logits)]
-    return tokens, margins
+from .checkpoints import TINY, hf_greedy
 
 
 def check_against_hf(target, hf_model, prompt, max_new_tokens, stop):

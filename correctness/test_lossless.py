@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import engine
-import engine.decode
+import engine.cache
 from engine.workloads import PROMPTS
 from engine.exactness import compare_tokens, tolerance_for
 
@@ -34,7 +34,7 @@ def tiny(tiny_checkpoints):
 def compactions(monkeypatch):
     """Counts cache compactions that really moved rows (accepted nodes that were not a contiguous prefix)."""
     moved = []
-    compact = engine.decode.compact_kv
+    compact = engine.cache.compact_kv
 
     def counting_compact(k, v, start, path, accepted):
         offsets = path[:int(accepted)].tolist()
@@ -42,7 +42,7 @@ def compactions(monkeypatch):
             moved.append(offsets)
         return compact(k, v, start, path, accepted)
 
-    monkeypatch.setattr(engine.decode, "compact_kv", counting_compact)
+    monkeypatch.setattr(engine.cache, "compact_kv", counting_compact)
     return moved
 
 

@@ -17,7 +17,9 @@ def test_preset_config(preset):
     assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == \
         (shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"])
     inv_freq, scale, rot_dim = rope_inv_freq(cfg.hf, cfg.head_dim)
-    assert rot_dim == cfg.head_dim and inv_freq.numel() == cfg.head_dim // 2 and torch.isfinite(inv_freq).all()
+    rotary = int(cfg.head_dim * shape.get("rope_parameters", {}).get("partial_rotary_factor", 1.0))  # hybrids: 1/4
+    assert rot_dim == rotary and inv_freq.numel() == rotary // 2 and torch.isfinite(inv_freq).all()
+    assert cfg.hybrid == (shape["model_type"] == "qwen3_5_text")
     if "rope_scaling" in shape:  # llama3 scaling stretches the low frequencies
         plain = 1.0 / shape["rope_theta"] ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
         assert inv_freq[-1] < plain[-1] and torch.allclose(inv_freq[0], plain[0])

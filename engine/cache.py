@@ -1,16 +1,27 @@
-"""Preallocated caches with append, rollback and compaction, their committed length kept on the device.
+"""Preallocated per-layer caches with append, rollback and keep-the-accepted-path, their committed length on the device.
 
-A round writes its candidate rows after the committed prefix (slots start .. start+T-1) in every layer; the
-walk then keeps the accepted ones: `kernels.compact_kv` moves their rows to contiguous slots, and `start`
-advances. Rolling back is just not advancing. `start` is a device tensor so that a whole round can run inside a
-CUDA graph, and nothing reads it on the host inside a round. The keys and values of all
-layers sit in one tensor each ([layers, batch, kv_heads, capacity, head_dim]) so that compaction is one launch;
-a layer's view can later sit beside other per-layer state (a recurrent state and a conv window for
-linear-attention layers). Tensors keep a batch dimension even though decoding uses batch 1 today.
+A round writes its candidate rows after the committed prefix (slots start .. start+T-1); once the walk has chosen the
+accepted path, the decoder asks the cache once to keep it (`keep`) and then advances `start`. Rolling back is just not
+advancing. `start` is a device tensor so that a whole round can run inside a CUDA graph, and nothing reads it on the
+host inside a round.
+
+Two kinds of layer share these operations (docs/design.md, "The per-layer cache"):
+- attention layers keep keys and values. Those of all attention layers sit in one tensor each ([layers, batch,
+  kv_heads, capacity, head_dim]), so keeping the accepted rows (`kernels.compact_kv`: moved to contiguous slots) is
+  one launch;
+- Gated DeltaNet layers keep a recurrent state [batch, heads, dk, dv] (float32) and a conv window [batch, channels,
+  kernel - 1]. A round records its rows' inputs; keeping the path replays them along it from the committed state, so
+  the state never depends on a sibling (kernels/gated_delta.py).
+Tensors keep a batch dimension even though decoding uses batch 1 today.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from kernels.gated_delta import conv_window, replay_gated_delta
+from kernels.tree_ops import compact_kv
 
 
 class AttentionLayerCache:
@@ -20,16 +31,89 @@ class AttentionLayerCache:
         self.k, self.v = k, v
 
 
-class ModelCache:
-    """The caches of all layers of one model plus the committed length they share."""
+@dataclass(frozen=True)
+class RecurrentShape:
+    """A Gated DeltaNet layer's state: heads x [key_dim, value_dim], and a conv over `channels` of width `kernel`."""
+    heads: int
+    key_dim: int
+    value_dim: int
+    channels: int
+    kernel: int
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device, batch: int = 1):
-        shape = (num_layers, batch, kv_heads, capacity, head_dim)
+
+@dataclass
+class RecurrentRows:
+    """What a forward pass over new rows leaves for `keep`: each row's conv input and delta-rule inputs, and the
+    state after the last row (what keeping a whole chain, as after a prefill, commits)."""
+    conv_in: torch.Tensor      # [B, T, channels]
+    k: torch.Tensor            # [B, T, heads, key_dim], l2-normed
+    v: torch.Tensor            # [B, T, heads, value_dim]
+    g: torch.Tensor            # [B, T, heads]: the log decay
+    beta: torch.Tensor         # [B, T, heads]
+    last_state: torch.Tensor   # [B, heads, key_dim, value_dim] float32
+
+
+class RecurrentLayerCache:
+    """One Gated DeltaNet layer's committed state and conv window, and the last forward's rows."""
+
+    def __init__(self, shape: RecurrentShape, batch: int, dtype, device):
+        self.state = torch.zeros(batch, shape.heads, shape.key_dim, shape.value_dim, dtype=torch.float32, device=device)
+        self.window = torch.zeros(batch, shape.channels, shape.kernel - 1, dtype=dtype, device=device)
+        self.rows: RecurrentRows | None = None
+
+    def reset(self) -> None:
+        self.state.zero_()
+        self.window.zero_()
+
+    def keep(self, path: torch.Tensor, accepted: torch.Tensor) -> None:
+        r = self.rows
+        self.window.copy_(conv_window(r.conv_in, self.window, path, accepted))
+        self.state.copy_(replay_gated_delta(self.state, r.k, r.v, r.g, r.beta, path, accepted))
+
+    def keep_prefix(self, n: int) -> None:
+        """Commit all n rows of the last forward, a chain (the prompt)."""
+        r = self.rows
+        path = torch.arange(n, device=self.state.device)
+        self.window.copy_(conv_window(r.conv_in, self.window, path, torch.tensor(n, device=self.state.device)))
+        self.state.copy_(r.last_state)
+
+
+class ModelCache:
+    """The caches of all layers of one model plus the committed length they share. recurrent: the shape of the state
+    of the layers whose indices are in recurrent_layers (Gated DeltaNet); the other layers are attention layers."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device, batch: int = 1,
+                 recurrent_layers: tuple[int, ...] = (), recurrent: RecurrentShape | None = None):
+        n_attention = num_layers - len(recurrent_layers)
+        shape = (n_attention, batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.layers = [AttentionLayerCache(self.k[i], self.v[i]) for i in range(num_layers)]
+        self.layers: list[AttentionLayerCache | RecurrentLayerCache] = []
+        for i in range(num_layers):
+            if i in recurrent_layers:
+                self.layers.append(RecurrentLayerCache(recurrent, batch, dtype, device))
+            else:
+                a = sum(j not in recurrent_layers for j in range(i))  # its index among the attention layers
+                self.layers.append(AttentionLayerCache(self.k[a], self.v[a]))
+        self.recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentLayerCache)]
         self.capacity = capacity
         self.start = torch.zeros((), dtype=torch.long, device=device)  # committed rows, on the device
 
     def reset(self) -> None:
         self.start.zero_()
+        for layer in self.recurrent:  # a recurrence starts from zeros; stale keys and values are never read
+            layer.reset()
+
+    def keep(self, path: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Keep the accepted path of the last forward's rows (path: row indices, root first, `accepted` of them
+        real): attention rows move to slots start.., recurrent states become the last accepted row's. The caller
+        advances `start`."""
+        if self.k.shape[0]:
+            compact_kv(self.k, self.v, self.start, path, accepted)
+        for layer in self.recurrent:
+            layer.keep(path, accepted)
+
+    def keep_prefix(self, n: int) -> None:
+        """Keep all n rows of the last forward, a chain (a prompt): attention rows are already in place."""
+        for layer in self.recurrent:
+            layer.keep_prefix(n)

@@ -7,8 +7,11 @@ import torch
 
 from .errors import EngineError
 
-# Architectures whose decoder block the engine implements (Llama-style pre-norm GQA blocks).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Architectures whose decoder blocks the engine implements: Llama-style pre-norm GQA blocks, and the hybrid Qwen3.5
+# family (Gated DeltaNet and gated attention layers; `qwen3_5` is the multimodal checkpoint, whose text part is used).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_5_text", "qwen3_5")
+HYBRID_MODEL_TYPES = ("qwen3_5_text",)
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,24 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     eos_token_ids: tuple[int, ...] = ()
+    # Hybrid targets (Qwen3.5): which layers are Gated DeltaNet ("linear_attention") and their shapes, the sigmoid
+    # gate on the attention output, and RMSNorm weights stored as offsets from 1 in the checkpoint.
+    layer_types: tuple[str, ...] = ()
+    attn_output_gate: bool = False
+    norm_offset: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
     hf: object = field(default=None, compare=False, repr=False)  # the transformers config, for RoPE parameters
+
+    @property
+    def hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
 
     @classmethod
     def from_hf(cls, hf, where: str = "checkpoint") -> "ModelConfig":
@@ -44,6 +64,16 @@ class ModelConfig:
             raise EngineError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         eos = getattr(hf, "eos_token_id", None)
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        hybrid = model_type in HYBRID_MODEL_TYPES
+        layer_types = tuple(getattr(hf, "layer_types", None) or ()) if hybrid else ()
+        if hybrid:
+            unknown = [t for t in layer_types if t not in LAYER_TYPES]
+            if unknown or len(layer_types) != hf.num_hidden_layers:
+                raise EngineError(f"{where}: layer_types must list {hf.num_hidden_layers} of {', '.join(LAYER_TYPES)}, "
+                                  f"got {list(layer_types)}")
+            if hf.linear_num_value_heads % hf.linear_num_key_heads:
+                raise EngineError(f"{where}: linear_num_value_heads {hf.linear_num_value_heads} is not a multiple of "
+                                  f"linear_num_key_heads {hf.linear_num_key_heads}")
         return cls(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -56,18 +86,29 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             max_position=getattr(hf, "max_position_embeddings", None) or 2048,
             tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_5_text"),
             # Qwen2 always has q/k/v biases and no o_proj bias; the others follow `attention_bias`.
             qkv_bias=model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
             o_bias=model_type != "qwen2" and bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             eos_token_ids=eos,
+            layer_types=layer_types,
+            attn_output_gate=hybrid,
+            norm_offset=hybrid,
+            linear_num_key_heads=getattr(hf, "linear_num_key_heads", 0) if hybrid else 0,
+            linear_num_value_heads=getattr(hf, "linear_num_value_heads", 0) if hybrid else 0,
+            linear_key_head_dim=getattr(hf, "linear_key_head_dim", 0) if hybrid else 0,
+            linear_value_head_dim=getattr(hf, "linear_value_head_dim", 0) if hybrid else 0,
+            linear_conv_kernel=getattr(hf, "linear_conv_kernel_dim", 0) if hybrid else 0,
             hf=hf,
         )
 
 
 def check_full_attention(hf, where: str) -> None:
-    """Targets must use full attention in every layer (sliding-window targets are not supported)."""
+    """Targets must use full attention in every layer, or Gated DeltaNet where a hybrid model says so (sliding-window
+    targets are not supported)."""
+    if hf.model_type in HYBRID_MODEL_TYPES:
+        return  # its layer_types are checked by ModelConfig.from_hf
     layer_types = getattr(hf, "layer_types", None) or []
     window = getattr(hf, "sliding_window", None)
     # Qwen configs carry a sliding_window that only applies with use_sliding_window; Mistral's always applies.

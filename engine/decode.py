@@ -27,7 +27,7 @@ import torch
 from kernels import triton_disabled
 from kernels.topk import topk_logprobs
 from kernels.tree_attention import MAX_TRITON_T
-from kernels.tree_ops import build_tree, compact_kv, walk_tree
+from kernels.tree_ops import build_tree, walk_tree
 
 from .cache import ModelCache
 from .draft import DraftInput, Drafter
@@ -147,7 +147,7 @@ class Decoder:
         # The PyTorch references read lengths on the host, so graphs need the Triton kernels, and tree attention
         # has its kernel up to MAX_TRITON_T verified rows (a larger DDTree budget runs eagerly).
         graphable = ((not self.speculative or drafter.graphable) and not triton_disabled()
-                     and 1 + self.nodes <= MAX_TRITON_T)
+                     and 1 + self.nodes <= MAX_TRITON_T and target.graphable)
         self.cuda_graphs = (on_gpu and graphable) if cuda_graphs is None else (cuda_graphs and on_gpu and graphable)
         # one round in flight ahead of the host (None: on a GPU; on a CPU it only costs a round at stop tokens)
         self.run_ahead = on_gpu if run_ahead is None else run_ahead
@@ -162,13 +162,18 @@ class Decoder:
 
     def round_bytes(self, capacity: int) -> dict[str, int]:
         """An estimate of the memory a request of `capacity` tokens takes, by part: the target's cache, the verify
-        pass (logits, MLP activations, attention scores, the node mask) and the draft (logits, its cache)."""
+        pass (logits, MLP activations, attention scores, the node mask), a hybrid's recurrent rows and the draft
+        (logits, its cache)."""
         cfg, dtype_size = self.target.cfg, self.target.dtype.itemsize
         rows = 1 + self.nodes
         parts = dict(
             cache=2 * cfg.num_layers * self.target.num_kv_heads * cfg.head_dim * capacity * dtype_size,
             verify=rows * (2 * cfg.vocab_size * 4 + 3 * cfg.intermediate_size * dtype_size
                            + cfg.num_heads * capacity * 4) + rows * rows)
+        if cfg.hybrid:  # each linear layer keeps its rows' inputs; one layer at a time also holds every row's state
+            linear = cfg.layer_types.count("linear_attention")
+            heads, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            parts["recurrent"] = 4 * heads * (linear * rows * (dk + dv + 2) + (rows + 1) * dk * dv)
         if self.speculative:
             draft = getattr(self.drafter, "draft", None)
             draft_cache = 0 if draft is None else 2 * draft.dcfg.layers.num_layers * draft.dcfg.layers.num_kv_heads \
@@ -250,8 +255,10 @@ class Decoder:
         bonus = s.tokens[0].index_select(0, start.view(1))
         r.verify_ids = torch.cat((bonus, r.tree.tokens))
         positions = start + torch.cat((s.zero, r.tree.depths))
+        # Gated DeltaNet layers follow each row's parent (the root's is the committed state) instead of the mask
+        parents = torch.cat((s.zero - 1, r.tree.parents)) if self.target.cfg.hybrid else None
         hidden, r.verify_features = self.target(r.verify_ids[None], positions[None], s.cache, r.tree.visible,
-                                                self.feature_layers)
+                                                self.feature_layers, parents)
         r.verify_logits = self.target.logits(hidden[0])
         r.posterior = r.verify_logits.argmax(-1)
 
@@ -259,7 +266,7 @@ class Decoder:
         s, r, block = self.seq, self.round, self.block_size
         cache = s.cache
         r.path, accepted, bonus = walk_tree(r.posterior, r.tree.tokens, r.tree.parents, r.tree.n_nodes, block - 1)
-        compact_kv(cache.k, cache.v, cache.start, r.path, accepted)
+        cache.keep(r.path, accepted)
         # New tokens: the accepted nodes' tokens, then the bonus (entries past `accepted` are padding).
         new = torch.cat((r.verify_ids.index_select(0, r.path[1:]), s.zero))
         new.index_copy_(0, (accepted - 1).view(1), bonus.view(1))
@@ -317,6 +324,7 @@ class Decoder:
         causal = torch.ones(n_prompt, n_prompt, dtype=torch.bool, device=dev).tril()
         hidden, prompt_features = target(prompt[None], torch.arange(n_prompt, device=dev)[None], s.cache, causal,
                                          self.feature_layers)
+        s.cache.keep_prefix(n_prompt)
         s.cache.start.fill_(n_prompt)
         logits = target.logits(hidden[0, -1:])
         bonus = logits.argmax(-1)

@@ -142,7 +142,7 @@ class DFlashDrafter(Drafter):
             attn = layer.self_attn
             h = layer.input_layernorm(x)[0]
             attn.project(ctx, cos_c, sin_c, layer_cache, ctx_pos)       # context keys and values
-            q = attn.project(h, cos_b, sin_b, layer_cache, block_pos)   # the block's, and its queries
+            q, _ = attn.project(h, cos_b, sin_b, layer_cache, block_pos)  # the block's, and its queries
             if window is None:
                 o = tree_attention(q, layer_cache.k, layer_cache.v, block_start, self.block_visible)
             else:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import SUPPORTED_MODEL_TYPES, ModelConfig, check_full_attention
+from .config import HYBRID_MODEL_TYPES, LAYER_TYPES, SUPPORTED_MODEL_TYPES, ModelConfig, check_full_attention
 from .draft import DFlashDraftModel, DFlashDrafter, DraftConfig, Drafter, default_target_layer_ids, draft_config
 from .errors import EngineError
 from .model import Transformer
@@ -82,25 +82,35 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def _checkpoint_keys(files: list[Path]) -> set[str]:
+    """The checkpoint's tensor names, as the engine's modules name them (prefixes stripped, other parts skipped)."""
     from safetensors import safe_open
 
     keys = set()
     for f in files:
         try:
             with safe_open(f, framework="pt") as sf:
-                keys.update(_strip(k) for k in sf.keys())
+                keys.update(_strip(k) for k in sf.keys() if not k.startswith(SKIPPED))
         except Exception as e:  # safetensors raises its own error type for a damaged header
             raise EngineError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
     return keys
 
 
+# Where a checkpoint keeps the language model's tensors: multimodal Qwen3.5 releases under model.language_model.
+PREFIXES = ("model.language_model.", "model.")
+# Tensors of other parts of a checkpoint: a vision tower, multi-token prediction heads. They are not loaded.
+SKIPPED = ("model.visual.", "visual.", "mtp.")
+
+
 def _strip(key: str) -> str:
-    return key[len("model."):] if key.startswith("model.") else key
+    return next((key[len(p):] for p in PREFIXES if key.startswith(p)), key)
 
 
 def _with_weight_flags(cfg: ModelConfig, keys: set[str]) -> ModelConfig:
     """Optional tensors (biases, q/k norms, an untied LM head) are decided by the checkpoint, not its config."""
-    layer = "layers.0."
+    attention = [i for i in range(cfg.num_layers) if cfg.layer_type(i) == "full_attention"]
+    if not attention:
+        return cfg
+    layer = f"layers.{attention[0]}."
     return dataclasses.replace(
         cfg,
         qk_norm=layer + "self_attn.q_norm.weight" in keys,
@@ -127,10 +137,13 @@ def _fill(module: torch.nn.Module, files: list[Path], where: str) -> None:
     from safetensors import safe_open
 
     params = dict(module.named_parameters())
-    seen = set()
+    seen, skipped = set(), 0
     for f in files:
         with safe_open(f, framework="pt") as sf:
             for key in sf.keys():
+                if key.startswith(SKIPPED):
+                    skipped += 1
+                    continue
                 name = _strip(key)
                 if name not in params or name in seen:
                     continue
@@ -144,6 +157,9 @@ def _fill(module: torch.nn.Module, files: list[Path], where: str) -> None:
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise EngineError(f"{where}: checkpoint lacks tensor {missing[0]}{more}")
+    if skipped:
+        print(f"{where}: {skipped} tensors of a vision tower or prediction heads skipped; the language model is "
+              f"used", file=sys.stderr)
 
 
 def _read_config(path: Path) -> dict:
@@ -210,12 +226,44 @@ def load_target(spec: str = DEFAULT_TARGET, device="cpu", dtype=torch.float32) -
     return load_hf_target(path, device, dtype, name=str(path))
 
 
+def _text_config(raw: dict, where: str) -> dict:
+    """The language model's config: a multimodal checkpoint's text_config (the vision tower is not used)."""
+    model_type = raw.get("model_type")
+    text = raw.get("text_config") if model_type == "qwen3_5" else raw
+    if not isinstance(text, dict):
+        raise EngineError(f"{where}: config.json's text_config must be a JSON object, got {text!r}")
+    text_type = text.get("model_type") or "qwen3_5_text"
+    if "moe" in str(model_type) or "moe" in str(text_type) or "num_experts" in text:
+        raise EngineError(f"{where}: mixture-of-experts models ({model_type}) are not supported")
+    return {**text, "model_type": text_type} if model_type == "qwen3_5" else text
+
+
+def _check_layer_types(raw: dict, where: str) -> None:
+    """A hybrid's layer kinds, as the checkpoint gives them (transformers would silently rewrite unknown ones)."""
+    types = raw.get("layer_types")
+    if raw.get("model_type") not in HYBRID_MODEL_TYPES or types is None:
+        return
+    if not isinstance(types, list) or len(types) != raw["num_hidden_layers"] or any(t not in LAYER_TYPES for t in types):
+        raise EngineError(f"{where}: layer_types must list {raw['num_hidden_layers']} of {', '.join(LAYER_TYPES)}, got "
+                          f"{types!r}")
+
+
+def _shift_norms(model: Transformer) -> None:
+    """Qwen3.5 checkpoints store RMSNorm weights as offsets from 1 (the norm scales by 1 + w); the engine's norms
+    scale by w. The gated norm of the Gated DeltaNet layers is a plain scale and stays as it is."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") and ".linear_attn." not in name:
+            p.data.add_(1.0)
+
+
 def load_hf_target(path: Path, device, dtype, name: str) -> Target:
     raw = _read_config(path)
-    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES and "moe" not in str(raw.get("model_type")):
         raise EngineError(f"{path}: unsupported model_type {raw.get('model_type')!r} "
                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    raw = _text_config(raw, str(path))
     _check_fields(raw, TARGET_FIELDS, str(path))
+    _check_layer_types(raw, str(path))
     hf = _hf_config(raw, str(path))
     check_full_attention(hf, str(path))
     cfg = ModelConfig.from_hf(hf, where=str(path))
@@ -226,6 +274,8 @@ def load_hf_target(path: Path, device, dtype, name: str) -> Target:
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
     model = _tie(_empty(lambda: Transformer(cfg), device, dtype))
     _fill(model, files, str(path))
+    if cfg.norm_offset:
+        _shift_norms(model)
     return Target(model.ready(), _load_tokenizer(path), name, source=path)
 
 

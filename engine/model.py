@@ -8,6 +8,7 @@ node_mask the tokens are whole sequences from an empty cache (draft training's f
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,12 +58,27 @@ class Rotary:
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 
+@dataclass
+class Rows:
+    """The new rows of a forward pass: their rotary tables and cache slots, and what each of them sees."""
+    cos: torch.Tensor                 # [B, T, rotary dims] at the rows' positions
+    sin: torch.Tensor
+    slots: torch.Tensor               # [T]: start .. start + T - 1
+    start: torch.Tensor               # 0-d: the committed length
+    node_mask: torch.Tensor | None    # [T, T]: the new rows each row sees; None: whole sequences from slot 0
+    parents: torch.Tensor | None      # [T]: each row's parent row, -1 above the root; None: a chain (Gated DeltaNet)
+
+
 class Attention(nn.Module):
+    """GQA attention over the cache. With cfg.attn_output_gate (Qwen3.5), q_proj also yields a per-head gate and the
+    output is attention * sigmoid(gate)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.output_gate = cfg.attn_output_gate
+        self.q_proj = nn.Linear(h, cfg.num_heads * d * (2 if self.output_gate else 1), bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
@@ -72,33 +88,52 @@ class Attention(nn.Module):
         self.tp = None  # engine.parallel.TensorParallel once sharded: o_proj is row-parallel
 
     def fuse(self) -> None:
-        """One GEMM for q, k and v: the three weights become views of one concatenated matrix."""
+        """One GEMM for q, k and v (and the output gate): the weights become views of one concatenated matrix. A
+        gated q_proj interleaves each head's query and gate rows; they are regrouped (once) as all queries, then all
+        gates, so that the GEMM's output is [q | gate | k | v]."""
+        if self.output_gate and not getattr(self, "gate_rows_grouped", False):
+            H, D = self.num_heads, self.head_dim
+            for name in ("weight", "bias"):
+                t = getattr(self.q_proj, name)
+                if t is not None:
+                    t.data = t.data.view(H, 2, D, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+            self.gate_rows_grouped = True
         projections = (self.q_proj, self.k_proj, self.v_proj)
         self.qkv_weight = _fused(projections, "weight")
         self.qkv_bias = _fused(projections, "bias")
 
-    def project(self, x, cos, sin, layer_cache: AttentionLayerCache, slots) -> torch.Tensor:
-        """Project [B, T, hidden]; store the (normed, rotated) keys and the values at the cache slots [T];
-        return the (normed, rotated) queries [B, heads, T, head_dim]."""
+    def project(self, x, cos, sin, layer_cache: AttentionLayerCache, slots
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Project [B, T, hidden]; store the (normed, rotated) keys and the values at the cache slots [T]; return the
+        (normed, rotated) queries [B, heads, T, head_dim] and the output gate [B, T, heads * head_dim] (or None)."""
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        return qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
-                                  None if self.q_norm is None else self.q_norm.weight,
-                                  None if self.k_norm is None else self.k_norm.weight,
-                                  self.eps, cos, sin, layer_cache.k, layer_cache.v, slots)
+        gate = None
+        if self.output_gate:
+            width = self.num_heads * self.head_dim
+            gate = qkv[..., width:2 * width]
+            qkv = torch.cat((qkv[..., :width], qkv[..., 2 * width:]), dim=-1)
+        q = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                               None if self.q_norm is None else self.q_norm.weight,
+                               None if self.k_norm is None else self.k_norm.weight,
+                               self.eps, cos, sin, layer_cache.k, layer_cache.v, slots)
+        return q, gate
 
-    def out(self, o: torch.Tensor) -> torch.Tensor:
-        """Attention output [B, H, T, D] -> [B, T, hidden]."""
-        out = self.o_proj(o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))
+    def out(self, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output [B, H, T, D] (times sigmoid(gate) when gated) -> [B, T, hidden]."""
+        o = o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        out = self.o_proj(o)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def forward(self, x, cos, sin, layer_cache: AttentionLayerCache, slots, start, node_mask) -> torch.Tensor:
-        q = self.project(x, cos, sin, layer_cache, slots)
-        if node_mask is None:  # whole sequences from slot 0: causal over the rows just stored, no host read
+    def forward(self, x, rows: Rows, layer_cache: AttentionLayerCache) -> torch.Tensor:
+        q, gate = self.project(x, rows.cos, rows.sin, layer_cache, rows.slots)
+        if rows.node_mask is None:  # whole sequences from slot 0: causal over the rows just stored, no host read
             T = q.shape[2]
             o = F.scaled_dot_product_attention(q, layer_cache.k[:, :, :T], layer_cache.v[:, :, :T], is_causal=True,
                                                enable_gqa=self.num_heads != self.num_kv_heads)
-            return self.out(o)
-        return self.out(tree_attention(q, layer_cache.k, layer_cache.v, start, node_mask))
+            return self.out(o, gate)
+        return self.out(tree_attention(q, layer_cache.k, layer_cache.v, rows.start, rows.node_mask), gate)
 
 
 class MLP(nn.Module):
@@ -133,26 +168,37 @@ def _fused(linears, name: str) -> torch.Tensor | None:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """A pre-norm decoder block: a token mixer (attention, or Gated DeltaNet in a hybrid's linear-attention layers,
+    named as the checkpoints name them) and the MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer_type: str = "full_attention"):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        if layer_type == "linear_attention":
+            from .gated_delta import GatedDeltaNet
+
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, pending, residual, cos, sin, layer_cache, slots, start, node_mask):
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+
+    def forward(self, pending, residual, rows: Rows, layer_cache):
         """The residual stream arrives as residual + pending, `pending` being the previous block's MLP output not
         yet added: the add is fused into this block's first norm. Returns (this block's MLP output, the residual
         stream before it) in the same form."""
         h, residual = self.input_layernorm(pending, residual)
-        attn_out = self.self_attn(h, cos, sin, layer_cache, slots, start, node_mask)
-        h, residual = self.post_attention_layernorm(attn_out, residual)
+        h, residual = self.post_attention_layernorm(self.mixer(h, rows, layer_cache), residual)
         return self.mlp(h), residual
 
 
 def fuse_projections(blocks) -> None:
     for block in blocks:
-        block.self_attn.fuse()
+        block.mixer.fuse()
         block.mlp.fuse()
 
 
@@ -163,7 +209,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, cfg.layer_type(i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -187,9 +233,22 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def graphable(self) -> bool:
+        """Whether a decode round may be captured as CUDA graphs: not yet for hybrid targets, whose Gated DeltaNet
+        layers run the PyTorch recurrence (graph-safe, but not yet checked on a GPU)."""
+        return not self.cfg.hybrid
+
     def new_cache(self, capacity: int, batch: int = 1) -> ModelCache:
         c = self.cfg
-        return ModelCache(c.num_layers, self.num_kv_heads, c.head_dim, capacity, self.dtype, self.device, batch)
+        recurrent = tuple(i for i in range(c.num_layers) if c.layer_type(i) == "linear_attention")
+        shape = None
+        if recurrent:
+            from .gated_delta import GatedDeltaNet
+
+            shape = GatedDeltaNet.state_shape(c)
+        return ModelCache(c.num_layers, self.num_kv_heads, c.head_dim, capacity, self.dtype, self.device, batch,
+                          recurrent_layers=recurrent, recurrent=shape)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings; vocabulary-parallel under tensor parallelism (the owning rank's row, all-reduced)."""
@@ -200,23 +259,26 @@ class Transformer(nn.Module):
         x = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.embed_tokens.weight)
         return self.tp.all_reduce(x * inside[..., None].to(x.dtype))
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: ModelCache, node_mask: torch.Tensor,
-                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: ModelCache, node_mask: torch.Tensor | None,
+                capture: tuple[int, ...] = (), parents: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run T new tokens after the cache's committed prefix.
 
         tokens, positions [B, T]; node_mask [T, T] bool: the new rows each new row sees (every new row sees the
-        whole committed prefix). Writes the new key/value rows at slots start..start+T-1 (keeping them is the
-        caller's business). Returns the final-normed hidden states [B, T, hidden] and the concatenated outputs
-        of the `capture` layers [B, T, len(capture) * hidden] (None when nothing is captured).
+        whole committed prefix); parents [T]: each row's parent row, -1 for a root above the committed prefix (None:
+        a chain), what Gated DeltaNet layers follow instead of the mask. Writes the new rows at slots
+        start..start+T-1 (keeping them is the caller's business: cache.keep). Returns the final-normed hidden states
+        [B, T, hidden] and the concatenated outputs of the `capture` layers [B, T, len(capture) * hidden] (None when
+        nothing is captured).
         """
         start = cache.start
-        slots = start + torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
+        rows = Rows(cos, sin, start + torch.arange(tokens.shape[1], device=tokens.device), start, node_mask, parents)
         captured = {}
         pending, residual = x, None  # the embeddings enter as the first pending output
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
-            pending, residual = layer(pending, residual, cos, sin, layer_cache, slots, start, node_mask)
+            pending, residual = layer(pending, residual, rows, layer_cache)
             if i in capture:
                 captured[i] = residual + pending   # the layer's output (HF hidden_states[i + 1])
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None

@@ -154,6 +154,9 @@ def shard_target(model, tp: TensorParallel) -> None:
     from .model import fuse_projections
 
     cfg, W, r = model.cfg, tp.world, tp.rank
+    if cfg.hybrid:
+        raise EngineError("tensor parallelism of hybrid targets (Gated DeltaNet layers) is not supported yet: run them "
+                          "at --tp 1")
     check_fits(cfg, W)
     D = cfg.head_dim
     (q_lo, q_hi), (kv_lo, kv_hi) = head_ranges(cfg, W, r)
