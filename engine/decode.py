@@ -14,8 +14,8 @@ What each stage reads and writes (`Sequence`: the sequence's buffers, `Round`: w
     tree     Round.draft_logits                                   Round.tree
     verify   Round.tree, Sequence.tokens, cache                   Round.verify_ids/_logits/_features, posterior;
                                                                   the nodes' cache rows
-    commit   Round.tree, posterior, verify_ids, verify_features   Round.path; cache (kept rows, start), tokens,
-                                                                  features, n_features, round_out
+    commit   Round.tree, posterior, verify_ids, verify_features   Round.path; cache (the accepted path kept, start),
+                                                                  tokens, features, n_features, round_out
 """
 from __future__ import annotations
 
