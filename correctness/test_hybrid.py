@@ -153,3 +153,47 @@ def test_hybrid_targets_refuse_what_they_do_not_support_yet(hybrids, tmp_path):
         "linear_attention"] * (config["num_hidden_layers"] - 2)}))
     with pytest.raises(engine.EngineError, match="layer_types must list"):
         engine.load_target(str(bad), "cpu", torch.float32)
+
+
+def test_batched_answers_and_training_features(hybrids):
+    """Draft training on a hybrid target: the batched greedy answers (continue_prompts: prompts of one length together,
+    the recurrent states committed after every step) equal each prompt's own AR decode, and the context features of
+    whole sequences (a fresh state per sequence) equal transformers' hidden states."""
+    from engine.train_draft.data import continue_prompts
+    from engine.train_draft.features import target_features
+
+    path, hf_model = hybrids["q35-adjacent-ratio3"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, target.model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 5, 5)]
+    answers = continue_prompts(target.model, prompts, 12, batch=2, desc="test")
+    for prompt, answer in zip(prompts, answers):
+        ref = engine.Decoder(target.model).generate(prompt, 12, record_margins=True)
+        assert compare_tokens(ref.tokens, ref.margins, answer, tolerance_for(torch.float32)).ok
+    tokens = torch.randint(3, target.model.cfg.vocab_size, (3, 21), generator=gen)
+    layers = (0, 1, 3)
+    final, feats = target_features(target.model, 21, 3, layers)(tokens)
+    with torch.no_grad():
+        ref = hf_model.base_model(tokens, output_hidden_states=True)
+    torch.testing.assert_close(feats, torch.cat([ref.hidden_states[i + 1] for i in layers], -1), rtol=1e-4,
+                               atol=1e-4)
+    torch.testing.assert_close(final, ref.last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_train_a_draft_for_a_hybrid_target(hybrids, tmp_path):
+    """train-draft at toy scale: a DFlash draft (dense, as the public drafts are) trained on a hybrid target's answers
+    and features loads and decodes losslessly with DFlash and DDTree."""
+    from engine.train_draft import TrainSettings, train
+
+    path, _ = hybrids["q35-attn-first"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    settings = TrainSettings(out=str(tmp_path / "run"), layers=1, block_size=4, prompts=12, new_tokens=12, gen_batch=6,
+                             steps=4, batch=3, anchors=3, warmup=1, save_every=4, validation=0, self_written=0.0)
+    result = train(target, settings, torch.device("cpu"), log=lambda line: None)
+    drafter = engine.load_drafter(str(result.draft_dir), target)
+    prompt = [5, 9, 14, 3, 77, 120]
+    ref = engine.Decoder(target.model).generate(prompt, 20, record_margins=True)
+    for method, budget in (("dflash", 0), ("ddtree", 8)):
+        out = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, budget)).generate(prompt, 20)
+        assert compare_tokens(ref.tokens, ref.margins, out.tokens, tolerance_for(torch.float32)).ok

@@ -76,9 +76,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 def draft_config(target_cfg: ModelConfig, layers: int, block_size: int, mask_token_id: int) -> DraftConfig:
-    """A DFlash draft shaped for a target: Qwen3-style layers of the target's width, default target layers."""
+    """A DFlash draft shaped for a target: Qwen3-style layers of the target's width (full attention, also for a hybrid
+    target), default target layers."""
     cfg = dataclasses.replace(target_cfg, model_type="qwen3", num_layers=layers, qk_norm=True, qkv_bias=False,
-                              o_bias=False, mlp_bias=False)
+                              o_bias=False, mlp_bias=False, layer_types=(), attn_output_gate=False, norm_offset=False)
     return DraftConfig(cfg, block_size=block_size, mask_token_id=mask_token_id,
                        target_layer_ids=tuple(default_target_layer_ids(target_cfg.num_layers, layers)),
                        sliding_window=(None,) * layers)

@@ -46,7 +46,7 @@ def continue_prompts(model: Transformer, prompts: list[list[int]], new_tokens: i
     from kernels import triton_disabled
 
     dev = model.device
-    use_graphs = dev.type == "cuda" and not triton_disabled()
+    use_graphs = dev.type == "cuda" and not triton_disabled() and model.graphable
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(i)
@@ -65,11 +65,13 @@ def continue_prompts(model: Transformer, prompts: list[list[int]], new_tokens: i
         hidden, _ = model(torch.tensor([prompts[i] for i in idx], device=dev),
                           torch.arange(n, device=dev).expand(b, n), cache,
                           torch.ones(n, n, dtype=torch.bool, device=dev).tril())
+        cache.keep_prefix(n)  # a hybrid's recurrent states: the prompt's last row (attention rows are in place)
         cache.start.fill_(n)
         token = pick(hidden)  # [b, 1], the step's static input and output
 
         def step():
             h, _ = model(token, cache.start.expand(b, 1), cache, one)
+            cache.keep_prefix(1)
             cache.start.add_(1)
             token.copy_(pick(h))
 
