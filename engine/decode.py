@@ -173,7 +173,9 @@ class Decoder:
         if cfg.hybrid:  # each linear layer keeps its rows' inputs; one layer at a time also holds every row's state
             linear = cfg.layer_types.count("linear_attention")
             heads, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-            parts["recurrent"] = 4 * heads * (linear * rows * (dk + dv + 2) + (rows + 1) * dk * dv)
+            channels = 2 * cfg.linear_num_key_heads * dk + heads * dv  # the conv's inputs, kept too
+            parts["recurrent"] = linear * rows * (4 * heads * (dk + dv + 2) + channels * dtype_size) \
+                + 4 * heads * (rows + 1) * dk * dv
         if self.speculative:
             draft = getattr(self.drafter, "draft", None)
             draft_cache = 0 if draft is None else 2 * draft.dcfg.layers.num_layers * draft.dcfg.layers.num_kv_heads \
