@@ -74,13 +74,23 @@ HYBRID = {
         image_token_id=200, video_token_id=201, vision_start_token_id=202, vision_end_token_id=203)),
 }
 
+# Hybrids for tensor parallelism (test_hybrid_tp.py): 4 key heads with 2 value heads each (whole at widths 2 and 4);
+# 2 KV heads, split at width 2 and each replicated over 2 ranks at width 4; a gated attention between linear layers.
+HYBRID_TP = {
+    "q35-tp": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        _Q35, vocab_size=233, hidden_size=64, intermediate_size=88, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+        linear_value_head_dim=6, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])),
+}
+
 
 def make_hybrid_checkpoint(root, name: str, seed: int = 0):
     """Write a random hybrid checkpoint with save_pretrained, its RMSNorm offsets perturbed (they start at zero, where
     1 + w and w + 1 cannot be told apart); return (path, the transformers model)."""
     import transformers
 
-    cfg_cls, model_cls, kw = HYBRID[name]
+    cfg_cls, model_cls, kw = {**HYBRID, **HYBRID_TP}[name]
     torch.manual_seed(seed)
     extra = {} if "text_config" in kw else dict(max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,
                                                 eos_token_id=2)

@@ -117,11 +117,13 @@ def test_state_carried_across_siblings_gives_other_tokens(lossless_case, monkeyp
     """The leak: verify the same trees with each row's state taken from the row before it (siblings included) instead
     of from its parent. DDTree then diverges from AR, so a regression to it fails the tests above."""
     target, prompts, refs = lossless_case
-    tree_safe = engine.gated_delta.tree_gated_delta_reference
+    import kernels.gated_delta
+
+    tree_safe = kernels.gated_delta.tree_gated_delta_reference
 
     def leaky(q, k, v, g, beta, parents, state):
         return tree_safe(q, k, v, g, beta, None, state)  # a chain in row order
-    monkeypatch.setattr(engine.gated_delta, "tree_gated_delta_reference", leaky)
+    monkeypatch.setattr(kernels.gated_delta, "tree_gated_delta_reference", leaky)
     verdicts = []
     for prompt, ref in zip(prompts, refs):
         result = engine.Decoder(target.model, oracle(target, prompt, ref, 8, miss_rate=0.4),
@@ -130,16 +132,20 @@ def test_state_carried_across_siblings_gives_other_tokens(lossless_case, monkeyp
     assert not all(v.ok for v in verdicts), [v.describe() for v in verdicts]
 
 
-def test_hybrid_targets_refuse_what_they_do_not_support_yet(hybrids, tmp_path):
-    """Tensor parallelism over Gated DeltaNet heads and mixture-of-experts variants: one clear error each."""
+def test_hybrid_targets_refuse_what_they_cannot_run(hybrids, tmp_path):
+    """Tensor-parallel widths the Gated DeltaNet key heads or the attention's KV heads cannot be split into,
+    mixture-of-experts variants and unknown layer kinds: one clear error each (test_hybrid_tp.py shards the rest)."""
     import json
     import shutil
 
     from engine.parallel import TensorParallel, shard_target
 
+    odd_keys = engine.load_target(str(hybrids["q35-attn-last-tied"][0]), "cpu", torch.float32)  # 3 key heads
+    with pytest.raises(engine.EngineError, match="width 2 does not fit the model's Gated DeltaNet layers"):
+        shard_target(odd_keys.model, TensorParallel(rank=0, world=2))
     path = hybrids["q35-attn-first"][0]
     target = engine.load_target(str(path), "cpu", torch.float32)
-    with pytest.raises(engine.EngineError, match="tensor parallelism of hybrid targets"):
+    with pytest.raises(engine.EngineError, match="width 2 does not fit the model: 1 KV heads with 3 query heads"):
         shard_target(target.model, TensorParallel(rank=0, world=2))
     moe = tmp_path / "moe"
     shutil.copytree(path, moe)

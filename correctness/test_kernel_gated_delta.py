@@ -1,13 +1,20 @@
 """kernels/gated_delta.py: the tree-safe Gated DeltaNet references against the plain definition on fresh random
 trees (chains, stars, deep and bushy trees, padded rows, up to 257 rows): every row's state and output are those of
 the delta rule run along its own root-to-row path, its conv those of the inputs along that path, and what commit keeps
-(the replayed path, the new conv window) is the last accepted row's. The chain form equals transformers' recurrence."""
+(the replayed path, the new conv window) is the last accepted row's. The chain form equals transformers' recurrence.
+
+The Triton kernels against those references on fresh random inputs with poisoned outputs (under the interpreter on
+CPU, at the 27B shape on a GPU): the tree recurrence on random trees, its schedule (simulated on the host: every
+visited row starts from its parent's state), commit's replay, and the property the decoder relies on: a verified
+row's output equals, bit for bit on the GPU, a one-row step from the state replayed along its ancestors."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from correctness.kernel_harness import assert_interpreted_ok, run_checks_main
+from kernels import gated_delta as gd
 from kernels.gated_delta import (ancestor_rows, conv_window, delta_update, replay_gated_delta,
                                  tree_causal_conv_reference, tree_gated_delta_reference)
 
@@ -119,3 +126,163 @@ def test_tree_conv_reads_each_rows_own_ancestors(kind, T, K):
 def test_ancestor_rows_of_a_chain_reach_into_the_window():
     anc = ancestor_rows(None, 4, 3, "cpu")  # entries 0..2 are the window's slots, rows start at 3
     assert anc.tolist() == [[2, 1, 0], [3, 2, 1], [4, 3, 2], [5, 4, 3]]
+
+
+# ------------------------------------------------------------------------------------------- the Triton path
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    T = parents.shape[0]
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for r in range(T):
+        mask[r, path_to(parents, r)] = True
+    return mask
+
+
+def depth_of(parents: torch.Tensor) -> int:
+    return max(len(path_to(parents, r)) - 1 for r in range(parents.shape[0]))
+
+
+@pytest.mark.parametrize("kind,T", CASES + [("star", 257), ("chain", 16)])
+def test_schedule_runs_every_row_once_after_its_own_ancestors(kind, T):
+    """Every chain's path is the root-to-leaf path of its last row, and every row is run with an output exactly
+    once (on the path of the chain it heads or continues); the rows above a chain's head are only replayed."""
+    gen = torch.Generator().manual_seed(T * 7 + len(kind))
+    parents = random_tree(kind, T, gen)
+    schedule = gd.tree_schedule(parents, ancestor_mask(parents), T, 4, "cpu", max_depth=max(1, depth_of(parents)))
+    outputs = []
+    for path, n, start in zip(schedule.paths.tolist(), schedule.lengths.tolist(), schedule.starts.tolist()):
+        if n:
+            assert path[:n] == path_to(parents, path[n - 1]), (kind, T, path[:n])
+            assert not (parents == path[n - 1]).any()  # chains end at leaves
+            outputs += path[start:n]
+    assert sorted(outputs) == list(range(T))
+    leaves = T - len(set(parents.tolist()) - {-1})
+    assert sum(n > 0 for n in schedule.lengths.tolist()) == leaves
+
+
+def delta_case(gen, B, T, Hk, Hv, dk, dv, kind, dtype=torch.float32, device="cpu"):
+    """Random inputs of gated_delta_rule over a random tree; a and b are strided slices of one projection."""
+    parents = random_tree(kind, T, gen)
+    C = 2 * Hk * dk + Hv * dv
+    mixed = torch.randn(B, T, C, generator=gen).to(dtype)
+    ab = torch.randn(B, T, 2 * Hv + 5, generator=gen).to(dtype)
+    a, b = ab[..., 3:3 + Hv], ab[..., 3 + Hv:3 + 2 * Hv]
+    A_log, dt_bias = torch.randn(Hv, generator=gen) * 0.5, torch.randn(Hv, generator=gen)
+    state = torch.randn(B, Hv, dk, dv, generator=gen) * 0.5
+    to = (lambda t: t.to(device))
+    return (parents.to(device), to(mixed), to(a), to(b), to(A_log), to(dt_bias), to(state),
+            gd.DeltaDims(Hk, dk, Hv, dv))
+
+
+def check_delta(gen, B, T, Hk, Hv, dk, dv, kind, dtype=torch.float32, device="cpu", steps: int = 3) -> None:
+    """The tree kernel against the reference (outputs, and the last visited row's state for a chain); commit's
+    replay against the reference replay; a verified row's output against a one-row step from its parent's state,
+    bit for bit."""
+    parents, mixed, a, b, A_log, dt_bias, state, dims = delta_case(gen, B, T, Hk, Hv, dk, dv, kind, dtype, device)
+    depth = depth_of(parents.cpu())
+    schedule = gd.tree_schedule(parents, ancestor_mask(parents.cpu()).to(device), T, 4, device, max_depth=depth)
+    out = torch.full((B, T, Hv, dv), float("nan"), dtype=dtype, device=device)
+    gd.gated_delta_triton(mixed, a, b, A_log, dt_bias, dims, state, schedule, out, None)
+    q, k, v, g, beta = gd.delta_inputs(mixed.cpu(), a.cpu(), b.cpu(), A_log.cpu(), dt_bias.cpu(), dims)
+    want, _ = tree_gated_delta_reference(q, k, v, g, beta, parents.cpu(), state.cpu())
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.cpu().float(), want.to(dtype).float(), **tol, msg=f"{kind} T={T} outputs")
+    if kind == "chain":
+        last = torch.full_like(state, float("nan"))
+        gd.gated_delta_triton(mixed, a, b, A_log, dt_bias, dims, state, gd.chain_schedule(T, 4, device), None, last)
+        _, want_last = tree_gated_delta_reference(q, k, v, g, beta, None, state.cpu())
+        torch.testing.assert_close(last.cpu(), want_last, **tol, msg="chain's last state")
+    rows = gd.RecurrentRows(mixed, mixed, a, b, A_log, dt_bias, dims)
+    for r in torch.randperm(T, generator=gen)[:steps].tolist():
+        path = path_to(parents.cpu(), r)
+        ancestors = torch.tensor(path[:-1] + [0] * 3, device=device)
+        kept = state.clone()
+        window = torch.zeros(B, mixed.shape[2], 3, dtype=dtype, device=device)
+        gd.keep_recurrent(rows, kept, window, ancestors, torch.tensor(len(path) - 1, device=device))
+        want_kept = replay_gated_delta(state.cpu(), k, v, g, beta, ancestors.cpu(), torch.tensor(len(path) - 1))
+        torch.testing.assert_close(kept.cpu(), want_kept, **tol, msg=f"replay to row {r}'s parent")
+        step = torch.full((B, T, Hv, dv), float("nan"), dtype=dtype, device=device)
+        one = gd.TreeSchedule(None, schedule.ancestors, torch.tensor([[r]], dtype=torch.int32, device=device),
+                              torch.ones(1, dtype=torch.int32, device=device),
+                              torch.zeros(1, dtype=torch.int32, device=device))
+        gd.gated_delta_triton(mixed, a, b, A_log, dt_bias, dims, kept, one, step, None)
+        if device == "cuda":
+            assert torch.equal(step[:, r], out[:, r]), f"{kind} T={T}: row {r} verified != its one-row step"
+        else:  # the interpreter keeps some float32 intermediates in float64 in registers, not in memory
+            torch.testing.assert_close(step[:, r], out[:, r], rtol=1e-6, atol=1e-6)
+
+
+def check_conv(gen, B, T, C, K, kind, dtype=torch.float32, device="cpu") -> None:
+    parents = random_tree(kind, T, gen)
+    x = torch.randn(B, T, C, generator=gen).to(dtype).to(device)
+    w = torch.randn(C, K, generator=gen).to(dtype).to(device)
+    window = torch.randn(B, C, K - 1, generator=gen).to(dtype).to(device)
+    schedule = gd.tree_schedule(parents.to(device), ancestor_mask(parents).to(device), T, K, device)
+    got = gd.causal_conv_triton(x, w, window, schedule.ancestors)
+    want = tree_causal_conv_reference(x.cpu(), w.cpu(), window.cpu(), parents)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got.cpu(), want, **tol, msg=f"conv {kind} T={T} K={K}")
+    leaf = int(torch.randint(T, (1,), generator=gen))
+    path = path_to(parents, leaf)
+    padded = torch.tensor(path + [0] * 3, device=device)
+    kept = window.clone()
+    gd.keep_window_triton(x, kept, padded, torch.tensor(len(path), device=device))
+    assert torch.equal(kept.cpu(), conv_window(x.cpu(), window.cpu(), padded.cpu(), torch.tensor(len(path))))
+
+
+def check_norm(gen, B, T, H, D, dtype=torch.float32, device="cpu") -> None:
+    x = torch.randn(B, T, H, D, generator=gen).to(dtype).to(device)
+    zw = torch.randn(B, T, H * D + 6, generator=gen).to(dtype).to(device)
+    z = zw[..., 6:]  # strided rows, as a slice of the fused projection
+    w = (torch.rand(D, generator=gen) + 0.5).to(dtype).to(device)
+    got = gd.gated_rmsnorm_triton(x, z, w, 1e-6)
+    want = gd.gated_rmsnorm_reference(x.cpu(), z.cpu().reshape(B, T, H, D), w.cpu(), 1e-6)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got.cpu(), want, **tol, msg=f"gated rmsnorm {dtype}")
+
+
+def _interp_delta() -> str:
+    gen = torch.Generator().manual_seed(11)
+    cases = [(1, 1, 1, 1, 8, 4, "chain"), (2, 9, 2, 4, 6, 10, "bushy"), (1, 17, 1, 2, 8, 5, "deep"),
+             (1, 12, 2, 2, 4, 8, "star"), (1, 12, 1, 3, 8, 4, "padded"), (2, 7, 2, 4, 8, 8, "chain")]
+    for case in cases:
+        check_delta(gen, *case, steps=2)
+    return f"{len(cases)} tree recurrence cases"
+
+
+def _interp_conv_norm() -> str:
+    gen = torch.Generator().manual_seed(12)
+    for kind, T, K in (("chain", 5, 4), ("bushy", 9, 4), ("padded", 12, 2), ("deep", 7, 3)):
+        check_conv(gen, 2, T, 37, K, kind)
+    check_norm(gen, 2, 3, 2, 12)
+    check_norm(gen, 1, 2, 3, 16, torch.bfloat16)
+    return "4 conv cases, 2 norm cases"
+
+
+CHECKS = {"delta": _interp_delta, "conv_norm": _interp_conv_norm}
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_triton_kernels_under_interpreter(name):
+    pytest.importorskip("triton")
+    assert_interpreted_ok("correctness.test_kernel_gated_delta", name)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or gd.triton is None, reason="needs CUDA and Triton")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind,T", [("chain", 1), ("chain", 16), ("bushy", 16), ("bushy", 65), ("deep", 65),
+                                    ("star", 65), ("padded", 33), ("bushy", 257)])
+def test_tree_recurrence_on_gpu_at_the_27b_shape(kind, T):
+    """Qwen3.6-27B's Gated DeltaNet shape (16 key heads, 48 value heads of 128 x 128), bfloat16 inputs."""
+    gen = torch.Generator().manual_seed(T + len(kind))
+    check_delta(gen, 1, T, 16, 48, 128, 128, kind, torch.bfloat16, "cuda", steps=4)
+    check_conv(gen, 1, T, 2 * 16 * 128 + 48 * 128, 4, kind, torch.bfloat16, "cuda")
+    check_norm(gen, 1, T, 48, 128, torch.bfloat16, "cuda")
+
+
+if __name__ == "__main__":  # python -m correctness.test_kernel_gated_delta CHECK  (with TRITON_INTERPRET=1)
+    run_checks_main(CHECKS)

@@ -11,7 +11,7 @@ Two kinds of layer share these operations (docs/design.md, "The per-layer cache"
   one launch;
 - Gated DeltaNet layers keep a recurrent state [batch, heads, dk, dv] (float32) and a conv window [batch, channels,
   kernel - 1]. A round records its rows' inputs; keeping the path replays them along it from the committed state, so
-  the state never depends on a sibling (kernels/gated_delta.py).
+  the state never depends on a sibling, with the verify pass's own kernel (kernels/gated_delta.py).
 Tensors keep a batch dimension even though decoding uses batch 1 today.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.gated_delta import conv_window, replay_gated_delta
+from kernels.gated_delta import RecurrentRows, conv_window, keep_recurrent, path_schedule
 from kernels.tree_ops import compact_kv
 
 
@@ -41,18 +41,6 @@ class RecurrentShape:
     kernel: int
 
 
-@dataclass
-class RecurrentRows:
-    """What a forward pass over new rows leaves for `keep`: each row's conv input and delta-rule inputs, and the
-    state after the last row (what keeping a whole chain, as after a prefill, commits)."""
-    conv_in: torch.Tensor      # [B, T, channels]
-    k: torch.Tensor            # [B, T, heads, key_dim], l2-normed
-    v: torch.Tensor            # [B, T, heads, value_dim]
-    g: torch.Tensor            # [B, T, heads]: the log decay
-    beta: torch.Tensor         # [B, T, heads]
-    last_state: torch.Tensor   # [B, heads, key_dim, value_dim] float32
-
-
 class RecurrentLayerCache:
     """One Gated DeltaNet layer's committed state and conv window, and the last forward's rows."""
 
@@ -65,17 +53,14 @@ class RecurrentLayerCache:
         self.state.zero_()
         self.window.zero_()
 
-    def keep(self, path: torch.Tensor, accepted: torch.Tensor) -> None:
-        r = self.rows
-        self.window.copy_(conv_window(r.conv_in, self.window, path, accepted))
-        self.state.copy_(replay_gated_delta(self.state, r.k, r.v, r.g, r.beta, path, accepted))
+    def keep(self, path: torch.Tensor, accepted: torch.Tensor, schedule=None) -> None:
+        keep_recurrent(self.rows, self.state, self.window, path, accepted, schedule)
 
     def keep_prefix(self, n: int) -> None:
-        """Commit all n rows of the last forward, a chain (the prompt)."""
-        r = self.rows
+        """Commit all n rows of the last forward, a chain (the prompt): its state was written by the forward."""
         path = torch.arange(n, device=self.state.device)
-        self.window.copy_(conv_window(r.conv_in, self.window, path, torch.tensor(n, device=self.state.device)))
-        self.state.copy_(r.last_state)
+        self.window.copy_(conv_window(self.rows.conv_in, self.window, path, torch.tensor(n, device=path.device)))
+        self.state.copy_(self.rows.last_state)
 
 
 class ModelCache:
@@ -110,8 +95,10 @@ class ModelCache:
         advances `start`."""
         if self.k.shape[0]:
             compact_kv(self.k, self.v, self.start, path, accepted)
-        for layer in self.recurrent:
-            layer.keep(path, accepted)
+        if self.recurrent:
+            schedule = path_schedule(path, accepted)  # shared by the layers
+            for layer in self.recurrent:
+                layer.keep(path, accepted, schedule)
 
     def keep_prefix(self, n: int) -> None:
         """Keep all n rows of the last forward, a chain (a prompt): attention rows are already in place."""

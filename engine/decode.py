@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import triton_disabled
+from kernels.gated_delta import tree_schedule
 from kernels.topk import topk_logprobs
 from kernels.tree_attention import MAX_TRITON_T
 from kernels.tree_ops import build_tree, walk_tree
@@ -147,7 +148,7 @@ class Decoder:
         # The PyTorch references read lengths on the host, so graphs need the Triton kernels, and tree attention
         # has its kernel up to MAX_TRITON_T verified rows (a larger DDTree budget runs eagerly).
         graphable = ((not self.speculative or drafter.graphable) and not triton_disabled()
-                     and 1 + self.nodes <= MAX_TRITON_T and target.graphable)
+                     and 1 + self.nodes <= MAX_TRITON_T)
         self.cuda_graphs = (on_gpu and graphable) if cuda_graphs is None else (cuda_graphs and on_gpu and graphable)
         # one round in flight ahead of the host (None: on a GPU; on a CPU it only costs a round at stop tokens)
         self.run_ahead = on_gpu if run_ahead is None else run_ahead
@@ -257,10 +258,13 @@ class Decoder:
         bonus = s.tokens[0].index_select(0, start.view(1))
         r.verify_ids = torch.cat((bonus, r.tree.tokens))
         positions = start + torch.cat((s.zero, r.tree.depths))
-        # Gated DeltaNet layers follow each row's parent (the root's is the committed state) instead of the mask
-        parents = torch.cat((s.zero - 1, r.tree.parents)) if self.target.cfg.hybrid else None
+        schedule = None
+        if self.target.cfg.hybrid:  # Gated DeltaNet layers follow each row's parent (the root's: the committed state)
+            cfg = self.target.cfg
+            schedule = tree_schedule(torch.cat((s.zero - 1, r.tree.parents)), r.tree.visible, 1 + self.nodes,
+                                     cfg.linear_conv_kernel, start.device, max_depth=max(1, self.block_size - 1))
         hidden, r.verify_features = self.target(r.verify_ids[None], positions[None], s.cache, r.tree.visible,
-                                                self.feature_layers, parents)
+                                                self.feature_layers, schedule)
         r.verify_logits = self.target.logits(hidden[0])
         r.posterior = r.verify_logits.argmax(-1)
 

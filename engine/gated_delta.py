@@ -13,14 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gated_delta import tree_causal_conv_reference, tree_gated_delta_reference
+from kernels.gated_delta import DeltaDims, RecurrentRows, causal_conv, chain_schedule, gated_delta_rule, gated_rmsnorm
 
-from .cache import RecurrentLayerCache, RecurrentRows, RecurrentShape
+from .cache import RecurrentLayerCache, RecurrentShape
 from .config import ModelConfig
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -32,9 +28,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+        """x [B, T, H, D], z [B, T, H * D] -> [B, T, H, D]."""
+        return gated_rmsnorm(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -55,14 +50,13 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(values, h, bias=False)
-        self.tp = None  # tensor parallelism of these layers is not supported yet (engine.parallel refuses it)
+        self.tp = None  # once sharded by heads (engine.parallel): out_proj is row-parallel
 
-    @staticmethod
-    def state_shape(cfg: ModelConfig) -> RecurrentShape:
-        keys, values = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * \
-            cfg.linear_value_head_dim
-        return RecurrentShape(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                              2 * keys + values, cfg.linear_conv_kernel)
+    def state_shape(self) -> RecurrentShape:
+        """The cache's state and conv window for this layer: its own heads and channels (a rank's share once
+        sharded)."""
+        return RecurrentShape(self.value_heads, self.key_dim, self.value_dim, sum(self.split),
+                              self.conv1d.kernel_size[0])
 
     def fuse(self) -> None:
         """One GEMM for qkv, z, b and a: the four weights become views of one concatenated matrix."""
@@ -71,26 +65,22 @@ class GatedDeltaNet(nn.Module):
         self.in_weight = _fused((self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a), "weight")
 
     def forward(self, x: torch.Tensor, rows, layer_cache: RecurrentLayerCache) -> torch.Tensor:
-        """x [B, T, hidden] -> [B, T, hidden]. rows.parents: each row's parent row (-1: the committed state), None for
-        a chain; rows.node_mask None: whole sequences from an empty state (draft training's features)."""
+        """x [B, T, hidden] -> [B, T, hidden]. rows.schedule: how the rows hang together (kernels/gated_delta.py,
+        a chain or a tree); rows.node_mask None: whole sequences from an empty state (draft training's features)."""
         B, T, _ = x.shape
         conv_in, z, b, a = F.linear(x, self.in_weight).split(
             [sum(self.split), self.value_heads * self.value_dim, self.value_heads, self.value_heads], dim=-1)
         fresh = rows.node_mask is None
         window = torch.zeros_like(layer_cache.window) if fresh else layer_cache.window
         state = torch.zeros_like(layer_cache.state) if fresh else layer_cache.state
-        mixed = tree_causal_conv_reference(conv_in, self.conv1d.weight[:, 0], window, rows.parents)
-        q, k, v = mixed.split(self.split, dim=-1)
-        groups = self.value_heads // self.key_heads
-        q = (l2norm(q.view(B, T, self.key_heads, self.key_dim).float()) * self.key_dim ** -0.5)
-        k = l2norm(k.view(B, T, self.key_heads, self.key_dim).float())
-        if groups > 1:
-            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-        v = v.reshape(B, T, self.value_heads, self.value_dim)
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out, last_state = tree_gated_delta_reference(q, k, v, g, beta, rows.parents, state)
+        schedule = rows.schedule
+        mixed = causal_conv(conv_in, self.conv1d.weight[:, 0], window, schedule)
+        dims = DeltaDims(self.key_heads, self.key_dim, self.value_heads, self.value_dim)
+        chain = schedule.parents is None
+        last_state = torch.empty_like(state) if chain and not fresh else None  # a prompt is kept whole
+        out = gated_delta_rule(mixed, a, b, self.A_log, self.dt_bias, dims, state, schedule, last_state)
         if not fresh:
-            layer_cache.rows = RecurrentRows(conv_in, k, v, g, beta, last_state)
-        out = self.norm(out.to(x.dtype), z.reshape(B, T, self.value_heads, self.value_dim))
-        return self.out_proj(out.reshape(B, T, -1))
+            layer_cache.rows = RecurrentRows(conv_in, mixed, a, b, self.A_log, self.dt_bias, dims, last_state)
+        out = self.norm(out, z)
+        out = self.out_proj(out.reshape(B, T, -1))
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fused import qk_norm_rope_store, rmsnorm, silu_mul
+from kernels.gated_delta import TreeSchedule, chain_schedule
 from kernels.tree_attention import tree_attention
 
 from .cache import AttentionLayerCache, ModelCache
@@ -66,7 +67,7 @@ class Rows:
     slots: torch.Tensor               # [T]: start .. start + T - 1
     start: torch.Tensor               # 0-d: the committed length
     node_mask: torch.Tensor | None    # [T, T]: the new rows each row sees; None: whole sequences from slot 0
-    parents: torch.Tensor | None      # [T]: each row's parent row, -1 above the root; None: a chain (Gated DeltaNet)
+    schedule: TreeSchedule | None     # hybrids: how Gated DeltaNet layers visit the rows (a chain or a tree)
 
 
 class Attention(nn.Module):
@@ -233,20 +234,11 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    @property
-    def graphable(self) -> bool:
-        """Whether a decode round may be captured as CUDA graphs: not yet for hybrid targets, whose Gated DeltaNet
-        layers run the PyTorch recurrence (graph-safe, but not yet checked on a GPU)."""
-        return not self.cfg.hybrid
-
     def new_cache(self, capacity: int, batch: int = 1) -> ModelCache:
         c = self.cfg
         recurrent = tuple(i for i in range(c.num_layers) if c.layer_type(i) == "linear_attention")
-        shape = None
-        if recurrent:
-            from .gated_delta import GatedDeltaNet
-
-            shape = GatedDeltaNet.state_shape(c)
+        # from the layer, not the config: under tensor parallelism it holds only this rank's heads and channels
+        shape = self.layers[recurrent[0]].linear_attn.state_shape() if recurrent else None
         return ModelCache(c.num_layers, self.num_kv_heads, c.head_dim, capacity, self.dtype, self.device, batch,
                           recurrent_layers=recurrent, recurrent=shape)
 
@@ -260,13 +252,13 @@ class Transformer(nn.Module):
         return self.tp.all_reduce(x * inside[..., None].to(x.dtype))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: ModelCache, node_mask: torch.Tensor | None,
-                capture: tuple[int, ...] = (), parents: torch.Tensor | None = None
+                capture: tuple[int, ...] = (), schedule: TreeSchedule | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run T new tokens after the cache's committed prefix.
 
         tokens, positions [B, T]; node_mask [T, T] bool: the new rows each new row sees (every new row sees the
-        whole committed prefix); parents [T]: each row's parent row, -1 for a root above the committed prefix (None:
-        a chain), what Gated DeltaNet layers follow instead of the mask. Writes the new rows at slots
+        whole committed prefix); schedule: what Gated DeltaNet layers follow instead of the mask (a tree's,
+        kernels.gated_delta.tree_schedule; None: a chain). Writes the new rows at slots
         start..start+T-1 (keeping them is the caller's business: cache.keep). Returns the final-normed hidden states
         [B, T, hidden] and the concatenated outputs of the `capture` layers [B, T, len(capture) * hidden] (None when
         nothing is captured).
@@ -274,7 +266,10 @@ class Transformer(nn.Module):
         start = cache.start
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
-        rows = Rows(cos, sin, start + torch.arange(tokens.shape[1], device=tokens.device), start, node_mask, parents)
+        T = tokens.shape[1]
+        if self.cfg.hybrid and schedule is None:
+            schedule = chain_schedule(T, self.cfg.linear_conv_kernel, tokens.device)
+        rows = Rows(cos, sin, start + torch.arange(T, device=tokens.device), start, node_mask, schedule)
         captured = {}
         pending, residual = x, None  # the embeddings enter as the first pending output
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):

@@ -8,6 +8,10 @@ Megatron-style sharding of a loaded target, in place (`shard_target`):
 - embedding and LM head vocabulary-parallel (padded to a multiple of the width): an embedding row is looked up
   on the rank that holds it and all-reduced; each rank's logits slice is all-gathered, so every rank holds the
   full logits and makes the same argmax, tree and acceptance decisions (the drafts are replicated).
+- Gated DeltaNet (hybrid targets) by key heads, each with its value heads: in_proj_qkv and the depthwise conv by their
+  q, k and v channels, in_proj_z/b/a, dt_bias and A_log by value heads; out_proj row-parallel followed by an
+  all-reduce; the recurrent state and conv window hold the rank's heads and channels only. A gated attention's
+  q_proj keeps each head's query and gate rows together.
 Row-parallel biases stay on rank 0 only, so the all-reduce adds them once.
 
 The all-reduce at width 2 is one addition per element, the same whatever the message size or the path (a one-shot
@@ -112,8 +116,18 @@ def init_tensor_parallel(tp: int) -> tuple[TensorParallel | None, torch.device |
     return TensorParallel(dist.get_rank(), dist.get_world_size()), device
 
 
-def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
-    return None if t is None else t[lo:hi].clone()
+def _take_rows(lin: torch.nn.Linear, rows: slice | torch.Tensor) -> None:
+    """Keep the output rows `rows` of a linear layer (weight and bias), as fresh tensors."""
+    lin.weight = torch.nn.Parameter(lin.weight.data[rows].clone(), requires_grad=False)
+    if lin.bias is not None:
+        lin.bias = torch.nn.Parameter(lin.bias.data[rows].clone(), requires_grad=False)
+
+
+def _take_columns(lin: torch.nn.Linear, cols: slice | torch.Tensor, rank: int) -> None:
+    """Row-parallel: keep the input columns `cols`; the bias stays on rank 0, so the all-reduce adds it once."""
+    lin.weight = torch.nn.Parameter(lin.weight.data[:, cols].contiguous(), requires_grad=False)
+    if lin.bias is not None and rank != 0:
+        lin.bias = None
 
 
 def _split(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -147,6 +161,68 @@ def check_fits(cfg, world: int) -> None:
                           f"{kvh} ranks whose count divides {G}")
     if cfg.intermediate_size < world:
         raise EngineError(f"tensor-parallel width {world} exceeds the MLP width {cfg.intermediate_size}")
+    key_heads = getattr(cfg, "linear_num_key_heads", 0)
+    if key_heads and key_heads % world:
+        raise EngineError(f"tensor-parallel width {world} does not fit the model's Gated DeltaNet layers: their "
+                          f"{key_heads} key heads must divide evenly over the ranks")
+
+
+def _q_rows(a, q_lo: int, q_hi: int) -> torch.Tensor:
+    """q_proj's rows for query heads [q_lo, q_hi). A gated q_proj also holds a gate per head: interleaved per head
+    ([query | gate] of head 0, then of head 1, ...) as loaded, or all queries then all gates once Attention.fuse has
+    regrouped them. Either way a head's query and gate go to the same rank, in the layout the module is in."""
+    D = a.head_dim
+    if not a.output_gate:
+        return torch.arange(q_lo * D, q_hi * D)
+    if getattr(a, "gate_rows_grouped", False):
+        queries = torch.arange(q_lo * D, q_hi * D)
+        return torch.cat((queries, queries + a.num_heads * D))
+    return torch.arange(2 * q_lo * D, 2 * q_hi * D)
+
+
+def shard_attention(a, cfg, tp: TensorParallel) -> None:
+    """Column-parallel q/k/v by the rank's heads (head_ranges), row-parallel o_proj."""
+    D = a.head_dim
+    (q_lo, q_hi), (kv_lo, kv_hi) = head_ranges(cfg, tp.world, tp.rank)
+    _take_rows(a.q_proj, _q_rows(a, q_lo, q_hi))
+    _take_rows(a.k_proj, slice(kv_lo * D, kv_hi * D))
+    _take_rows(a.v_proj, slice(kv_lo * D, kv_hi * D))
+    _take_columns(a.o_proj, slice(q_lo * D, q_hi * D), tp.rank)
+    a.num_heads, a.num_kv_heads = q_hi - q_lo, kv_hi - kv_lo
+    a.tp = tp
+
+
+def shard_mlp(m, cfg, tp: TensorParallel) -> None:
+    """Column-parallel gate/up, row-parallel down."""
+    inner = slice(*_split(cfg.intermediate_size, tp.world, tp.rank))
+    _take_rows(m.gate_proj, inner)
+    _take_rows(m.up_proj, inner)
+    _take_columns(m.down_proj, inner, tp.rank)
+    m.tp = tp
+
+
+def shard_gated_delta(m, tp: TensorParallel) -> None:
+    """Rank tp.rank's key heads [r K/W, (r+1) K/W) and the value heads they serve (consecutive, value_heads /
+    key_heads per key head), so the recurrence needs no communication until out_proj's all-reduce."""
+    K, V = m.key_heads // tp.world, m.value_heads // tp.world
+    dk, dv = m.key_dim, m.value_dim
+    keys = torch.arange(tp.rank * K * dk, (tp.rank + 1) * K * dk)
+    values = torch.arange(tp.rank * V * dv, (tp.rank + 1) * V * dv)
+    heads = slice(tp.rank * V, (tp.rank + 1) * V)
+    # in_proj_qkv's rows and the conv's channels are [q | k | v] over all heads: the rank's slice of each part
+    channels = torch.cat((keys, keys + m.key_heads * dk, values + 2 * m.key_heads * dk))
+    _take_rows(m.in_proj_qkv, channels)
+    _take_rows(m.in_proj_z, values)
+    _take_rows(m.in_proj_b, heads)
+    _take_rows(m.in_proj_a, heads)
+    m.conv1d.weight = torch.nn.Parameter(m.conv1d.weight.data[channels].clone(), requires_grad=False)
+    m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = len(channels)
+    m.dt_bias = torch.nn.Parameter(m.dt_bias.data[heads].clone(), requires_grad=False)
+    m.A_log = torch.nn.Parameter(m.A_log.data[heads].clone(), requires_grad=False)
+    _take_columns(m.out_proj, values, tp.rank)  # the norm works per value head: its weight stays whole
+    m.key_heads, m.value_heads = K, V
+    m.split = (K * dk, K * dk, V * dv)
+    m.tp = tp
 
 
 def shard_target(model, tp: TensorParallel) -> None:
@@ -154,26 +230,13 @@ def shard_target(model, tp: TensorParallel) -> None:
     from .model import fuse_projections
 
     cfg, W, r = model.cfg, tp.world, tp.rank
-    if cfg.hybrid:
-        raise EngineError("tensor parallelism of hybrid targets (Gated DeltaNet layers) is not supported yet: run them "
-                          "at --tp 1")
     check_fits(cfg, W)
-    D = cfg.head_dim
-    (q_lo, q_hi), (kv_lo, kv_hi) = head_ranges(cfg, W, r)
-    i_lo, i_hi = _split(cfg.intermediate_size, W, r)
     for block in model.layers:
-        a, m = block.self_attn, block.mlp
-        for lin, lo, hi in ((a.q_proj, q_lo * D, q_hi * D), (a.k_proj, kv_lo * D, kv_hi * D),
-                            (a.v_proj, kv_lo * D, kv_hi * D), (m.gate_proj, i_lo, i_hi), (m.up_proj, i_lo, i_hi)):
-            lin.weight = torch.nn.Parameter(_rows(lin.weight.data, lo, hi), requires_grad=False)
-            if lin.bias is not None:
-                lin.bias = torch.nn.Parameter(_rows(lin.bias.data, lo, hi), requires_grad=False)
-        for lin, lo, hi in ((a.o_proj, q_lo * D, q_hi * D), (m.down_proj, i_lo, i_hi)):
-            lin.weight = torch.nn.Parameter(lin.weight.data[:, lo:hi].contiguous(), requires_grad=False)
-            if lin.bias is not None and r != 0:
-                lin.bias = None  # added once, by rank 0, before the all-reduce
-        a.num_heads, a.num_kv_heads = q_hi - q_lo, kv_hi - kv_lo
-        a.tp = m.tp = tp
+        shard_mlp(block.mlp, cfg, tp)
+        if hasattr(block, "linear_attn"):
+            shard_gated_delta(block.linear_attn, tp)
+        else:
+            shard_attention(block.self_attn, cfg, tp)
     fuse_projections(model.layers)
     # vocabulary-parallel embedding and LM head, padded with zero rows to a multiple of the width
     per_rank = -(-cfg.vocab_size // W)
@@ -188,6 +251,7 @@ def shard_target(model, tp: TensorParallel) -> None:
     model.embed_tokens.weight = vocab_slice(model.embed_tokens.weight)
     model.lm_head.weight = model.embed_tokens.weight if tied else vocab_slice(model.lm_head.weight)
     model.vocab_start, model.vocab_per_rank = lo, per_rank
+    kv_lo, kv_hi = head_ranges(cfg, W, r)[1]
     model.num_kv_heads = kv_hi - kv_lo
     model.tp = tp
     tp.enable_one_shot(model.embed_tokens.weight.device, model.embed_tokens.weight.dtype)

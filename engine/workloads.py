@@ -82,6 +82,10 @@ PAIRS = (
     Pair("default", "smollm2-135m", "default"),
     Pair("default-synthetic", "smollm2-135m", "default", SYNTHETIC_MISS_RATE),
     Pair("qwen3-8b-synthetic", "synthetic:qwen3-8b", "random:5", SYNTHETIC_MISS_RATE, gpu_only=True),
+    # Hybrid targets (Gated DeltaNet + gated attention): Qwen3.6-27B's shape needs a GPU; the tiny one keeps the
+    # hybrid decode path under the CPU suite's tau floors.
+    Pair("qwen3.6-27b-synthetic", "synthetic:qwen3.6-27b", "random:5", SYNTHETIC_MISS_RATE, gpu_only=True),
+    Pair("hybrid-tiny-synthetic", "synthetic:hybrid-tiny", "random:1", SYNTHETIC_MISS_RATE),
 )
 
 

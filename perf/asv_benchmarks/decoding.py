@@ -109,7 +109,8 @@ class Decode:
     def setup_cache(self):
         return measure_all()
 
-    # Loading plus 3 pairs x 4 workloads x 6 methods x 4 runs of 256 tokens, CUDA graph capture included.
+    # Loading plus 5 pairs x 4 workloads x 6 methods x 4 runs of 256 tokens, CUDA graph capture included (the 27B
+    # hybrid pair: about 1-4 s per run at its 70-200 tok/s on an H200).
     setup_cache.timeout = 1800
 
     def setup(self, results, pair, workload, method):
