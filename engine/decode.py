@@ -171,12 +171,16 @@ class Decoder:
             cache=2 * cfg.num_layers * self.target.num_kv_heads * cfg.head_dim * capacity * dtype_size,
             verify=rows * (2 * cfg.vocab_size * 4 + 3 * cfg.intermediate_size * dtype_size
                            + cfg.num_heads * capacity * 4) + rows * rows)
-        if cfg.hybrid:  # each linear layer keeps its rows' inputs; one layer at a time also holds every row's state
+        if cfg.hybrid:
+            # Each Gated DeltaNet layer keeps its rows' projection output (conv input, z, a, b) and conv output for
+            # commit. No per-row state is stored on a GPU (the kernel keeps states on chip); the CPU reference holds
+            # every row's state of one layer at a time.
             linear = cfg.layer_types.count("linear_attention")
             heads, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-            channels = 2 * cfg.linear_num_key_heads * dk + heads * dv  # the conv's inputs, kept too
-            parts["recurrent"] = linear * rows * (4 * heads * (dk + dv + 2) + channels * dtype_size) \
-                + 4 * heads * (rows + 1) * dk * dv
+            channels = 2 * cfg.linear_num_key_heads * dk + heads * dv
+            parts["recurrent"] = linear * rows * (2 * channels + heads * (dv + 2)) * dtype_size
+            if self.target.device.type != "cuda":
+                parts["recurrent"] += 4 * heads * (rows + 1) * dk * dv
         if self.speculative:
             draft = getattr(self.drafter, "draft", None)
             draft_cache = 0 if draft is None else 2 * draft.dcfg.layers.num_layers * draft.dcfg.layers.num_kv_heads \

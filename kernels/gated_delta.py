@@ -146,6 +146,7 @@ def replay_gated_delta(state, k, v, g, beta, path: torch.Tensor, accepted: torch
 # ------------------------------------------------------------------------------------------------ the layer's path
 
 TILE_COLUMNS, WARPS = 16, 1  # the state tile [dk, TILE_COLUMNS] of one program, and its warps (one config for all)
+FP_FUSION = True  # FMA contraction in the recurrence (one compiled kernel serves decode, verify and replay either way)
 
 
 def _next_pow2(n: int) -> int:
@@ -434,7 +435,7 @@ def gated_delta_triton(mixed, a, b, A_log, dt_bias, dims: DeltaDims, state, sche
         schedule.starts, mixed.stride(0), mixed.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         o.stride(0), o.stride(1), paths.stride(0), int(state_out is not None), dims.key_dim ** -0.5,
         KH=dims.key_heads, HV=dims.value_heads, DK=dims.key_dim, DV=dims.value_dim, DKP=_next_pow2(dims.key_dim),
-        BV=bv, num_warps=WARPS, enable_fp_fusion=False)
+        BV=bv, num_warps=WARPS, enable_fp_fusion=FP_FUSION)
 
 
 def causal_conv_triton(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor, ancestors: torch.Tensor
