@@ -46,8 +46,8 @@ column evolves independently of the others) in registers, reads the committed ti
 root-to-leaf path; the next row's inputs are loaded while the current row's update runs. No per-node state ever
 leaves the chip: the verify pass writes only the rows' outputs, and every row's state is computed exactly as a decode
 step computes it, one update per ancestor from the committed state. So a decode step, a verify pass and commit's
-replay (a single chain each) run one compiled kernel whose arithmetic does not depend on the tree (FP contraction
-off): a verified row reproduces the decode step bit for bit. The price is the replayed rows above each chain's head
+replay (a single chain each) run one compiled kernel whose arithmetic does not depend on the tree (no argument that
+varies with the rows is specialised on): a verified row reproduces the decode step bit for bit. The price is the replayed rows above each chain's head
 (at most the tree's depth per chain); the gain is that programs of different chains run side by side, so the
 sequential length is the tree's depth, not its size.
 """
