@@ -8,11 +8,16 @@ import torch
 
 import engine
 from engine.loading import default_target_dir
+from perf import preflight
 
 from .checkpoints import TINY, make_tiny_checkpoint
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # one core per xdist worker: oversubscribed intra-op threads slow everything down
+
+
+def pytest_configure(config):
+    preflight.install(config, "correctness")  # its gpu tests on a runner whose CUDA is broken: a usage error
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ from .draft import DraftInput, Drafter
 from .errors import EngineError
 from .memory import available_bytes, gib
 from .model import Transformer
+from .plant import planted_slowdown
 from .timing import StageTimer, sync
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -355,6 +356,7 @@ class Decoder:
         run_ahead = self.run_ahead and not record_margins
         launched, pending = 0, []
         done = len(out) >= max_new_tokens or out[-1] in stop
+        plant = planted_slowdown(dev)  # ENGINE_PLANT_SLOWDOWN: the perf gate's calibrated test regression
         while not done:
             # Round 0 reads the prompt's features, round 1 warms up the static buffers, then graphs take over.
             if use_graphs and launched == 2 and self.graphs is None:
@@ -374,6 +376,8 @@ class Decoder:
                 s.out_ready[slot].record()
             pending.append(slot)
             launched += 1
+            if plant is not None:
+                plant.after_round()
             while pending and not done:
                 ahead_ok = run_ahead and launched > 2 and len(out) + len(pending) < max_new_tokens
                 if len(pending) <= (1 if ahead_ok else 0):  # (none in flight before the graphs are captured)

@@ -89,6 +89,15 @@ PAIRS = (
 )
 
 
+# The A/B gate's pre-merge selection (`pytest perf -m tp1 --baseline REV`, perf/ab.py), sized for about 5 minutes on
+# one H200: the host-bound 135M pair with real acceptance and the bandwidth-bound 8B shape, a code and a JSON prompt,
+# AR and the chain and tree paths. Hybrid targets are not in it (`--ab-full -k qwen3.6` for a change to their path);
+# `--ab-full` measures everything above (nightly). On a CPU only the default pair of these exists; there the A/B
+# tests the mechanics, not speed.
+PREMERGE = dict(pairs=("default", "qwen3-8b-synthetic"), workloads=("fib", "json"),
+                methods=("ar", "dflash", "ddtree-15"))
+
+
 def user_pair(target: str, draft: str) -> Pair:
     """A user's own pair, named by its target's and draft's last path parts (the name keys floors and asv series,
     so it does not depend on where the checkpoints sit)."""

@@ -7,6 +7,8 @@ import os
 import pytest
 
 from engine.launch import visible_gpus
+from perf import preflight
+from perf.ab import BaselineGate, add_options as add_ab_options
 from perf.floors import FLOORS_PATH, FloorsError, load
 
 
@@ -20,17 +22,20 @@ def pytest_addoption(parser):
     g.addoption("--floors", default=str(FLOORS_PATH), help="floors file (default perf/floors.json)")
     g.addoption("--perf-results", default="perf-results.json",
                 help="results file of this run (under xdist, one per worker: NAME.gwN.json)")
+    add_ab_options(parser)  # --baseline REV and the A/B gate's options (perf/ab.py)
 
 
 def pytest_configure(config):
     from engine.errors import EngineError
     from engine.results import check_writable
 
+    preflight.install(config, "perf")  # broken CUDA on a GPU runner: a usage error at session start
     try:
         config.perf_floors = load(config.getoption("floors"))
         check_writable(config.getoption("perf_results"), "the perf results (--perf-results)")
     except (FloorsError, EngineError) as e:
         raise pytest.UsageError(str(e)) from None
+    config.pluginmanager.register(BaselineGate(config), "perf-ab")  # the A/B gate (perf/ab.py)
     # One GPU per xdist worker, chosen before anything creates a CUDA context: `pytest perf -m tp1 -n 8`.
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     gpus = visible_gpus()

@@ -11,8 +11,9 @@ Environment (ASV_ENGINE_TARGET/DRAFT at import, since they add a parameter value
   ASV_ENGINE_PAIRS                      measure only these pairs (comma list of names); the others are skipped
   ASV_ENGINE_WORKLOADS                  measure only these workloads (comma list); the others are skipped
   ASV_ENGINE_NEW_TOKENS                 new tokens per generation instead of the registry's "short" length
-  ASV_ENGINE_SOURCE                     the engine checkout to measure (default: the one holding this file),
-                                        e.g. an older commit's tree when recording history
+  ASV_ENGINE_SOURCE                     the engine checkout to measure (default: the commit asv checked out
+                                        under asv.continuous.conf.json, else the one holding this file), e.g.
+                                        an older commit's tree when recording history
 """
 from __future__ import annotations
 
@@ -26,7 +27,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _source() -> Path:
-    return Path(os.environ.get("ASV_ENGINE_SOURCE") or ROOT).resolve()
+    if os.environ.get("ASV_ENGINE_SOURCE"):
+        return Path(os.environ["ASV_ENGINE_SOURCE"]).resolve()
+    # An environment asv builds (asv.continuous.conf.json: `asv continuous BASE HEAD`) checks each commit out into
+    # ENV_DIR/project before measuring it; the "existing" environment has no checkout of its own.
+    if os.environ.get("ASV_ENV_TYPE", "existing") != "existing" and os.environ.get("ASV_ENV_DIR"):
+        return (Path(os.environ["ASV_ENV_DIR"]) / "project").resolve()
+    return ROOT
 
 
 def _registry():
