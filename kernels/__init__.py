@@ -24,3 +24,8 @@ except ImportError:  # no Triton (a CPU-only platform without wheels): the refer
 def triton_disabled() -> bool:
     """ENGINE_DISABLE_TRITON=1 (read at each call) makes every dispatcher use its PyTorch reference."""
     return os.environ.get("ENGINE_DISABLE_TRITON", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton block sizes."""
+    return 1 << max(0, (n - 1).bit_length())

@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import tl, triton, triton_disabled
+from kernels import next_pow2, tl, triton, triton_disabled
 
 __all__ = [
     "rmsnorm", "rmsnorm_reference", "rmsnorm_triton",
@@ -64,10 +64,6 @@ __all__ = [
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SILU_BLOCK = 1024  # columns per silu_mul program (at most)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _use_triton(*tensors) -> bool:
@@ -304,7 +300,7 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     rows = x2.shape[0]
     if rows == 0 or N == 0:
         return out, h
-    block = _next_pow2(N)
+    block = next_pow2(N)
     num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
     _rmsnorm_kernel[(rows,)](x2, r2, weight, y2, h2, N, float(eps),
                              x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
@@ -347,7 +343,7 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: i
         cos = cos.contiguous()
     if sin.stride(2) != 1:
         sin = sin.contiguous()
-    d_p2 = _next_pow2(D)
+    d_p2 = next_pow2(D)
     _qk_norm_rope_store_kernel[(B * T, H + 2 * KVH)](
         qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos, sin, slots, out,
         k_cache, v_cache, T, H, KVH, float(eps),
@@ -377,7 +373,7 @@ def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> t
     g2 = _rows(gate_up, 2 * I, "gate_up")
     if g2.shape[0] == 0 or I == 0:
         return out
-    block = min(SILU_BLOCK, _next_pow2(I))
+    block = min(SILU_BLOCK, next_pow2(I))
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, block))](g2, o2, I, g2.stride(0), o2.stride(0), BLOCK=block,
                                                            SOFT_RNE=_soft_rne(gate_up), num_warps=4 if block >= 512 else 2)
     return out

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import tl, triton, triton_disabled
+from kernels import next_pow2, tl, triton, triton_disabled
 
 
 def delta_update(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
@@ -147,10 +147,6 @@ def replay_gated_delta(state, k, v, g, beta, path: torch.Tensor, accepted: torch
 
 TILE_COLUMNS, WARPS = 16, 1  # the state tile [dk, TILE_COLUMNS] of one program, and its warps (one config for all)
 FP_FUSION = True  # FMA contraction in the recurrence (one compiled kernel serves decode, verify and replay either way)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -427,14 +423,14 @@ def gated_delta_triton(mixed, a, b, A_log, dt_bias, dims: DeltaDims, state, sche
     """The kernel over the schedule's chains: outputs into out [B, T, Hv, dv] (None: discarded), the state after a
     single chain's last row into state_out (None: not written; it may be `state`)."""
     B, T, _ = mixed.shape
-    bv = min(TILE_COLUMNS, _next_pow2(dims.value_dim))
+    bv = min(TILE_COLUMNS, next_pow2(dims.value_dim))
     o = out if out is not None else mixed.new_empty(B, T, dims.value_heads, dims.value_dim)
     paths = schedule.paths
     _gated_delta_kernel[(B * dims.value_heads, triton.cdiv(dims.value_dim, bv), paths.shape[0])](
         mixed, a, b, A_log, dt_bias, state, state if state_out is None else state_out, o, paths, schedule.lengths,
         schedule.starts, mixed.stride(0), mixed.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         o.stride(0), o.stride(1), paths.stride(0), int(state_out is not None), dims.key_dim ** -0.5,
-        KH=dims.key_heads, HV=dims.value_heads, DK=dims.key_dim, DV=dims.value_dim, DKP=_next_pow2(dims.key_dim),
+        KH=dims.key_heads, HV=dims.value_heads, DK=dims.key_dim, DV=dims.value_dim, DKP=next_pow2(dims.key_dim),
         BV=bv, num_warps=WARPS, enable_fp_fusion=FP_FUSION)
 
 
@@ -443,7 +439,7 @@ def causal_conv_triton(x: torch.Tensor, weight: torch.Tensor, window: torch.Tens
     B, T, C = x.shape
     K = weight.shape[1]
     y = torch.empty_like(x)
-    block = min(1024, _next_pow2(C))
+    block = min(1024, next_pow2(C))
     _causal_conv_kernel[(B * T, triton.cdiv(C, block))](
         x, window, weight.contiguous(), ancestors.contiguous(), y, T, C, x.stride(0), x.stride(1),
         window.stride(0), window.stride(1), y.stride(0), y.stride(1), K=K, BLOCK_C=block, num_warps=4,
@@ -456,10 +452,10 @@ def keep_window_triton(x: torch.Tensor, window: torch.Tensor, path: torch.Tensor
     K1 = window.shape[2]
     if K1 == 0:
         return
-    block = min(256, _next_pow2(C))
+    block = min(256, next_pow2(C))
     _keep_window_kernel[(B, triton.cdiv(C, block))](
         x, window, path, accepted, C, x.stride(0), x.stride(1), window.stride(0), window.stride(1),
-        K1=K1, K1P=_next_pow2(K1), BLOCK_C=block, num_warps=4)
+        K1=K1, K1P=next_pow2(K1), BLOCK_C=block, num_warps=4)
 
 
 def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -468,6 +464,6 @@ def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     if z.stride(-1) != 1 or (B > 1 and z.stride(0) != T * z.stride(1)):
         z = z.contiguous()
     y = torch.empty_like(x)
-    _gated_rmsnorm_kernel[(B * T * H,)](x, z, weight, y, H, z.stride(1), eps, D=D, DP=_next_pow2(D),
+    _gated_rmsnorm_kernel[(B * T * H,)](x, z, weight, y, H, z.stride(1), eps, D=D, DP=next_pow2(D),
                                         num_warps=1 if D <= 256 else 4)
     return y

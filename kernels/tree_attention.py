@@ -49,7 +49,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import tl, triton, triton_disabled
+from kernels import next_pow2, tl, triton, triton_disabled
 
 BLOCK_N = 64        # keys per inner-loop block
 SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)
@@ -218,10 +218,6 @@ if triton is not None:
                  o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _start_tensor(start, device) -> torch.Tensor:
     if isinstance(start, torch.Tensor):
         if start.numel() != 1 or start.dtype not in (torch.int64, torch.int32):
@@ -269,8 +265,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # One token per program, its G query heads in BLOCK_M = max(16, G) rows (tl.dot needs >= 16): every row's
     # keys are walked in logical order in the same BLOCK_N blocks whether the token is verified alone or with
     # a tree of others, so the verify pass reproduces the one-token decode step bit for bit.
-    block_m = max(16, _next_pow2(G))
-    d_p2 = max(16, _next_pow2(D))
+    block_m = max(16, next_pow2(G))
+    d_p2 = max(16, next_pow2(D))
     split = triton.cdiv(max(split_size, block_n), block_n) * block_n
     num_splits = triton.cdiv(CAP, split)
     is_fp32 = q.dtype == torch.float32
@@ -299,7 +295,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         nm.stride(0), nm.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        G=G, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, _next_pow2(T)), SPLIT=split, D=D, D_P2=d_p2,
+        G=G, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split, D=D, D_P2=d_p2,
         FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=False)
     if not write_out:
