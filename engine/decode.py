@@ -156,6 +156,7 @@ class Decoder:
         self.capacity = 0
         self.seq: Sequence | None = None
         self.round: Round | None = None
+        self.chain_schedule = None  # a hybrid target's schedule of the AR / DFlash verify chain
         self.draft_input: DraftInput | None = None
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
         self.graphed_drafter_cache = None  # the drafter buffers the graphs were captured over
@@ -232,7 +233,16 @@ class Decoder:
             zero=torch.zeros(1, dtype=torch.long, device=dev))
         # AR: no nodes; DFlash: the chain, its tokens filled in per round; DDTree: replaced per round
         self.round = Round(RoundTree.chain(self.nodes, dev))
+        # AR and DFlash verify the same chain every round: its Gated DeltaNet schedule is built once
+        self.chain_schedule = self._tree_schedule(self.round.tree) if self.target.cfg.hybrid else None
         self.graphs = None
+
+    def _tree_schedule(self, tree: "RoundTree"):
+        """How Gated DeltaNet layers run the verify rows: each row from its parent's state (the root's: the committed
+        state)."""
+        cfg, zero = self.target.cfg, self.seq.zero
+        return tree_schedule(torch.cat((zero - 1, tree.parents)), tree.visible, 1 + self.nodes, cfg.linear_conv_kernel,
+                             zero.device, max_depth=max(1, self.block_size - 1))
 
     def _check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         vocab = self.target.cfg.vocab_size
@@ -263,11 +273,9 @@ class Decoder:
         bonus = s.tokens[0].index_select(0, start.view(1))
         r.verify_ids = torch.cat((bonus, r.tree.tokens))
         positions = start + torch.cat((s.zero, r.tree.depths))
-        schedule = None
-        if self.target.cfg.hybrid:  # Gated DeltaNet layers follow each row's parent (the root's: the committed state)
-            cfg = self.target.cfg
-            schedule = tree_schedule(torch.cat((s.zero - 1, r.tree.parents)), r.tree.visible, 1 + self.nodes,
-                                     cfg.linear_conv_kernel, start.device, max_depth=max(1, self.block_size - 1))
+        schedule = self.chain_schedule
+        if self.target.cfg.hybrid and self.settings.method == "ddtree":
+            schedule = self._tree_schedule(r.tree)
         hidden, r.verify_features = self.target(r.verify_ids[None], positions[None], s.cache, r.tree.visible,
                                                 self.feature_layers, schedule)
         r.verify_logits = self.target.logits(hidden[0])

@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels.fused import qk_norm_rope_store, rmsnorm, silu_mul
 from kernels.gated_delta import TreeSchedule, chain_schedule
-from kernels.tree_attention import tree_attention
+from kernels.tree_attention import tree_attention, visible_rows
 
 from .cache import AttentionLayerCache, ModelCache
 from .config import ModelConfig, rope_inv_freq
@@ -68,6 +68,7 @@ class Rows:
     start: torch.Tensor               # 0-d: the committed length
     node_mask: torch.Tensor | None    # [T, T]: the new rows each row sees; None: whole sequences from slot 0
     schedule: TreeSchedule | None     # hybrids: how Gated DeltaNet layers visit the rows (a chain or a tree)
+    visible: torch.Tensor | None = None  # [T, T]: the new rows each row sees, listed (the attention kernel's form)
 
 
 class Attention(nn.Module):
@@ -134,7 +135,8 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q, layer_cache.k[:, :, :T], layer_cache.v[:, :, :T], is_causal=True,
                                                enable_gqa=self.num_heads != self.num_kv_heads)
             return self.out(o, gate)
-        return self.out(tree_attention(q, layer_cache.k, layer_cache.v, rows.start, rows.node_mask), gate)
+        return self.out(tree_attention(q, layer_cache.k, layer_cache.v, rows.start, rows.node_mask, rows=rows.visible),
+                        gate)
 
 
 class MLP(nn.Module):
@@ -269,7 +271,8 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         if self.cfg.hybrid and schedule is None:
             schedule = chain_schedule(T, self.cfg.linear_conv_kernel, tokens.device)
-        rows = Rows(cos, sin, start + torch.arange(T, device=tokens.device), start, node_mask, schedule)
+        visible = visible_rows(node_mask) if node_mask is not None and tokens.is_cuda else None  # once, all layers
+        rows = Rows(cos, sin, start + torch.arange(T, device=tokens.device), start, node_mask, schedule, visible)
         captured = {}
         pending, residual = x, None  # the embeddings enter as the first pending output
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):

@@ -43,7 +43,8 @@ gated_rmsnorm(x [..., dv], z [..., dv], weight [dv], eps) -> weight * rmsnorm(x)
 
 _gated_delta_kernel: grid (B * Hv, dv / BV, chains). A program keeps a [dk, BV] tile of one head's state (a value
 column evolves independently of the others) in registers, reads the committed tile once and walks its chain's
-root-to-leaf path; the next row's inputs are loaded while the current row's update runs. No per-node state ever
+root-to-leaf path; loads run ahead (row indices three rows, inputs two, the next row's normalised k and gates beside
+the current row's update). No per-node state ever
 leaves the chip: the verify pass writes only the rows' outputs, and every row's state is computed exactly as a decode
 step computes it, one update per ancestor from the committed state. So a decode step, a verify pass and commit's
 replay (a single chain each) run one compiled kernel whose arithmetic does not depend on the tree (no argument that
@@ -145,7 +146,7 @@ def replay_gated_delta(state, k, v, g, beta, path: torch.Tensor, accepted: torch
 
 # ------------------------------------------------------------------------------------------------ the layer's path
 
-TILE_COLUMNS, WARPS = 16, 1  # the state tile [dk, TILE_COLUMNS] of one program, and its warps (one config for all)
+TILE_COLUMNS, WARPS = 32, 1  # the state tile [dk, TILE_COLUMNS] of one program, and its warps (one config for all)
 FP_FUSION = True  # FMA contraction in the recurrence (one compiled kernel serves decode, verify and replay either way)
 
 
@@ -304,15 +305,24 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
 
 if triton is not None:
     @triton.jit
-    def _delta_row(mixed, a_ptr, b_ptr, b, r, s_mb, s_mt, s_ab, s_at, s_bb, s_bt, h, kh, rk, rv, mk, mv,
+    def _delta_row(mixed, a_ptr, b_ptr, b, r, s_mb, s_mt, s_ab, s_at, s_bb, s_bt, h, kh, rk, rv, mk, mv, q_len,
                    KH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
         row = mixed + b * s_mb + r * s_mt
-        q = tl.load(row + kh * DK + rk, mask=mk, other=0.0).to(tl.float32)
+        q = tl.load(row + kh * DK + rk, mask=rk < q_len, other=0.0).to(tl.float32)  # 0: a replayed row, no q
         k = tl.load(row + (KH + kh) * DK + rk, mask=mk, other=0.0).to(tl.float32)
         v = tl.load(row + 2 * KH * DK + h * DV + rv, mask=mv, other=0.0).to(tl.float32)
         ga = tl.load(a_ptr + b * s_ab + r * s_at + h).to(tl.float32)
         gb = tl.load(b_ptr + b * s_bb + r * s_bt + h).to(tl.float32)
         return q, k, v, ga, gb
+
+    @triton.jit
+    def _delta_gates(k, ga, gb, neg_a, bias):
+        """A row's l2-normed k, its decay exp(g) and beta."""
+        k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        beta = 1.0 / (1.0 + tl.exp(-gb))
+        x = ga + bias
+        g = neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+        return k, tl.exp(g), beta
 
     @triton.jit(do_not_specialize=["s_mb", "s_mt", "s_ab", "s_at", "s_bb", "s_bt", "s_ob", "s_ot", "s_path",
                                    "write_state"])
@@ -339,27 +349,32 @@ if triton is not None:
             first = tl.load(starts + chain)
             path = paths + chain * s_path
             r = tl.load(path).to(tl.int64)
+            r1 = tl.load(path + tl.minimum(1, n - 1)).to(tl.int64)
+            r2 = tl.load(path + tl.minimum(2, n - 1)).to(tl.int64)
             q, k, v, ga, gb = _delta_row(mixed, a_ptr, b_ptr, b, r, s_mb, s_mt, s_ab, s_at, s_bb, s_bt, h, kh, rk,
-                                         rv, mk, mv, KH, DK, DV)
+                                         rv, mk, mv, tl.where(first <= 0, DK, 0), KH, DK, DV)
+            k, decay, beta = _delta_gates(k, ga, gb, neg_a, bias)
+            q1, k1, v1, a1, b1 = _delta_row(mixed, a_ptr, b_ptr, b, r1, s_mb, s_mt, s_ab, s_at, s_bb, s_bt, h, kh, rk,
+                                            rv, mk, mv, tl.where(first <= 1, DK, 0), KH, DK, DV)
             for d in range(0, n):
-                # the next row's inputs, loaded before this row's update needs the load unit's results
-                r_next = tl.load(path + tl.minimum(d + 1, n - 1)).to(tl.int64)
-                q_next, k_next, v_next, a_next, b_next = _delta_row(
-                    mixed, a_ptr, b_ptr, b, r_next, s_mb, s_mt, s_ab, s_at, s_bb, s_bt, h, kh, rk, rv, mk, mv,
-                    KH, DK, DV)
-                q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-                k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-                beta = 1.0 / (1.0 + tl.exp(-gb))
-                x = ga + bias
-                g = neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-                s = cur * tl.exp(g)
+                # Pipelined: the row index three ahead, the raw inputs two ahead, and the next row's normalised k and
+                # gates from inputs that arrived during the previous row: independent work beside this row's update.
+                r3 = tl.load(path + tl.minimum(d + 3, n - 1)).to(tl.int64)
+                q2, k2, v2, a2, b2 = _delta_row(
+                    mixed, a_ptr, b_ptr, b, r2, s_mb, s_mt, s_ab, s_at, s_bb, s_bt, h, kh, rk, rv, mk, mv,
+                    tl.where(d + 2 >= first, DK, 0), KH, DK, DV)
+                k1n, decay1, beta1 = _delta_gates(k1, a1, b1, neg_a, bias)
+                s = cur * decay
                 remembered = tl.sum(s * k[:, None], axis=0)
                 delta = (v - remembered) * beta
                 cur = s + k[:, None] * delta[None, :]
-                if d >= first:
+                if d >= first:  # replayed rows above the chain's head have no output
+                    q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
                     o = tl.sum(cur * q[:, None], axis=0)
                     tl.store(out + b * s_ob + r * s_ot + h * DV + rv, o.to(out.dtype.element_ty), mask=mv)
-                r, q, k, v, ga, gb = r_next, q_next, k_next, v_next, a_next, b_next
+                r, r1, r2 = r1, r2, r3
+                q, k, v, decay, beta = q1, k1n, v1, decay1, beta1
+                q1, k1, v1, a1, b1 = q2, k2, v2, a2, b2
             if write_state != 0:
                 tl.store(state_out + tile, cur, mask=tmask)
 

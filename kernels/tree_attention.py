@@ -26,7 +26,8 @@ The token's keys are taken in *logical order*: the committed rows 0..start-1, th
 order (a tree lists every ancestor before its descendants), logical key start + j being the visible new row of
 rank j. The program walks logical keys in BLOCK_N blocks (tl.dot for Q K^T and P V) with an online softmax in
 base 2 (running max, running sum, unnormalised float32 accumulator); blocks that reach the new rows gather their
-K/V rows through the rank mapping, and keys past the token's last one are masked. So a token's arithmetic, block
+K/V rows through the token's row list (`visible_rows(node_mask)`, built once per forward pass: a gather, where an
+earlier version matched ranks against all T rows in every block), and keys past the token's last one are masked. So a token's arithmetic, block
 by block, is that of the one-token decode step at the same position: whether it is verified alone, in a chain, or
 deep in a tree whose siblings sit between its ancestors, the result is the same bit for bit (docs/design.md,
 "Exactness": then no divergence can happen at all). Earlier designs were not: tiles of several tokens sharing masked K/V
@@ -94,12 +95,12 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 if triton is not None:
 
     @triton.jit
-    def _tree_attn_fwd(q_ptr, k_ptr, v_ptr, start_ptr, nm_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr,
+    def _tree_attn_fwd(q_ptr, k_ptr, v_ptr, start_ptr, nm_ptr, rows_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr,
                        B, T, CAP, H, KVH, qk_scale,
                        stride_qb, stride_qh, stride_qt,
                        stride_kb, stride_kh, stride_kn,
                        stride_vb, stride_vh, stride_vn,
-                       stride_nm0, stride_nm1,
+                       stride_nm0, stride_nm1, stride_rows,
                        stride_ob, stride_oh, stride_ot,
                        G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T_P2: tl.constexpr,
                        SPLIT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
@@ -112,12 +113,12 @@ if triton is not None:
         kvh = (pid_bk % KVH).to(tl.int64)
 
         start = tl.load(start_ptr).to(tl.int32)  # on the device: CUDA-graph replays may change it
-        # The token's visible new rows in index order (a tree lists ancestors before descendants): logical key
-        # start + j is the new row of rank j; the token's keys are logical 0 .. start + (visible rows) - 1.
+        # The token's keys are logical 0 .. start + (visible new rows) - 1: the committed rows, then its visible new
+        # rows in index order (a tree lists ancestors before descendants), the j-th of them rows_ptr[t, j].
         nodes = tl.arange(0, T_P2)
         seen = tl.load(nm_ptr + t * stride_nm0 + nodes * stride_nm1, mask=nodes < T, other=0) != 0
-        rank = tl.cumsum(seen.to(tl.int32), 0) - 1
         length = start + tl.sum(seen.to(tl.int32), 0)
+        visible = rows_ptr + t * stride_rows
 
         # rows of this program: the G query heads of the kv head (padded to BLOCK_M >= 16 for tl.dot)
         offs_m = tl.arange(0, BLOCK_M)
@@ -143,11 +144,12 @@ if triton is not None:
         hi = tl.minimum(lo + SPLIT, length)  # hi <= lo: a split past the token's keys, no iteration, neutral
         for n0 in range(lo, hi, BLOCK_N):
             offs = n0 + offs_n
-            # committed prefix: logical key = cache row; past it, the visible new row of rank offs - start. Computed
-            # for every block, without a branch, so that the loads' addresses stay plain arithmetic that the
-            # software pipeliner can issue ahead.
-            hit = seen[None, :] & (rank[None, :] == (offs - start)[:, None])
-            slot = tl.where(offs < start, offs, start + tl.max(tl.where(hit, nodes[None, :], 0), 1))
+            # committed prefix: logical key = cache row; past it, the visible new row of rank offs - start (a gather
+            # from the token's row list, as paged attention reads its block table). Computed for every block,
+            # without a branch, so that the loads' addresses stay plain arithmetic that the pipeliner can issue ahead.
+            new = (offs >= start) & (offs < hi)
+            node = tl.load(visible + (offs - start), mask=new, other=0)
+            slot = tl.where(offs < start, offs, start + node)
             kv_ok = (offs < hi) & (slot < CAP)
             kt = tl.load(k_base + offs_d[:, None] + slot[None, :] * stride_kn,
                          mask=kv_ok[None, :] & d_ok[:, None], other=0.0)  # K^T block [D_P2, BLOCK_N]
@@ -226,11 +228,20 @@ def _start_tensor(start, device) -> torch.Tensor:
     return torch.full((), int(start), dtype=torch.int64, device=device)  # a fill kernel, capturable
 
 
+def visible_rows(node_mask: torch.Tensor) -> torch.Tensor:
+    """[T, T] int32: row t lists the new rows that row t sees, in index order, then padding (T). On the device, no
+    host read; computed once per forward pass and shared by its attention layers."""
+    T = node_mask.shape[0]
+    index = torch.arange(T, dtype=torch.int32, device=node_mask.device)
+    return torch.where(node_mask.bool(), index, T).sort(dim=1).values.contiguous()
+
+
 def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start,
                           node_mask: torch.Tensor, split_size: int = SPLIT_SIZE, block_n: int = BLOCK_N,
                           num_warps: int | None = None, num_stages: int | None = None,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel. `start`: a 1-element int tensor on q's device (read by the kernel) or a Python int.
+    `rows`: visible_rows(node_mask) where the caller has it already.
 
     `out`, if given, is a [B, H, T, D] tensor of q's dtype (any strides with a contiguous last dim) that receives
     the result. `split_size` (keys per split, rounded up to a multiple of `block_n`) fixes the number of splits,
@@ -261,6 +272,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q = q.contiguous()
     start_t = _start_tensor(start, q.device)
     nm = node_mask.to(device=q.device, dtype=torch.bool).view(torch.uint8)
+    if rows is None:
+        rows = visible_rows(nm)
 
     # One token per program, its G query heads in BLOCK_M = max(16, G) rows (tl.dot needs >= 16): every row's
     # keys are walked in logical order in the same BLOCK_N blocks whether the token is verified alone or with
@@ -277,8 +290,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     qk_scale = (1.0 / math.sqrt(D)) * 1.4426950408889634  # softmax in base 2
     if num_warps is None:  # fp32: operands in registers
         num_warps = 4 if block_m * d_p2 <= (32 * 128 if is_fp32 else 64 * 128) else 8
-    if num_stages is None:
-        num_stages = 2 if is_fp32 else 3
+    if num_stages is None:  # 2: faster than 3 at 1, 16 and 65 rows on the H200 (docs/performance.md)
+        num_stages = 2
 
     write_out = num_splits == 1
     if write_out:
@@ -288,12 +301,12 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         pm = torch.empty(num_splits, B, H, T, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
     _tree_attn_fwd[(B * KVH, T, num_splits)](
-        q, k_cache, v_cache, start_t, nm, out, pacc, pm, pl,
+        q, k_cache, v_cache, start_t, nm, rows, out, pacc, pm, pl,
         B, T, CAP, H, KVH, qk_scale,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        nm.stride(0), nm.stride(1),
+        nm.stride(0), nm.stride(1), rows.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         G=G, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split, D=D, D_P2=d_p2,
         FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, num_warps=num_warps, num_stages=num_stages,
@@ -309,7 +322,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start, node_mask: torch.Tensor,
-                   use_triton: bool | None = None) -> torch.Tensor:
+                   use_triton: bool | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Tree attention: the Triton kernel for CUDA tensors with T <= 128, else the PyTorch reference.
 
     use_triton=None decides as above (and honours ENGINE_DISABLE_TRITON); False forces the reference (which
@@ -319,5 +332,5 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         use_triton = (triton is not None and q.is_cuda and q.shape[2] <= MAX_TRITON_T and not triton_disabled()
                       and q.dtype in (torch.float32, torch.float16, torch.bfloat16))
     if use_triton:
-        return tree_attention_triton(q, k_cache, v_cache, start, node_mask)
+        return tree_attention_triton(q, k_cache, v_cache, start, node_mask, rows=rows)
     return tree_attention_reference(q, k_cache, v_cache, start, node_mask)

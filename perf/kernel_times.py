@@ -49,7 +49,8 @@ def eager_time_us(fn, reps: int = 20) -> float:
 
 
 # References that read device values on the host (ties, a Python heap, lengths, the accepted count): timed eagerly.
-EAGER_REFERENCES = ("topk_logprobs", "build_tree", "walk_tree", "compact_kv", "tree_attention")
+EAGER_REFERENCES = ("topk_logprobs", "build_tree", "walk_tree", "compact_kv", "tree_attention", "gated_delta",
+                    "causal_conv")
 
 
 def _fused(gen, bf16) -> list[tuple[str, object, object]]:
@@ -126,6 +127,60 @@ def _attention(gen, bf16) -> list[tuple[str, object, object]]:
         cases.append((f"tree_attention H=32 KVH=8 D=128 T={T} start=2000",
                       lambda q=q, kc=kc, vc=vc, mask=mask: tree_attention_triton(q, kc, vc, start, mask),
                       lambda q=q, kc=kc, vc=vc, mask=mask: tree_attention_reference(q, kc, vc, 2000, mask)))
+    for T in (1, 65):  # Qwen3.6-27B's gated attention layers at the perf suite's context length
+        q = torch.randn(1, 24, T, 256, generator=gen, device="cuda").to(bf16)
+        kc = torch.randn(1, 4, 1024, 256, generator=gen, device="cuda").to(bf16)
+        vc = torch.randn_like(kc)
+        mask = torch.ones(T, T, dtype=torch.bool, device="cuda").tril()
+        start = torch.tensor(400, device="cuda")
+        cases.append((f"tree_attention H=24 KVH=4 D=256 T={T} start=400",
+                      lambda q=q, kc=kc, vc=vc, mask=mask: tree_attention_triton(q, kc, vc, start, mask),
+                      lambda q=q, kc=kc, vc=vc, mask=mask: tree_attention_reference(q, kc, vc, 400, mask)))
+    return cases
+
+
+def _gated_delta(gen, bf16) -> list[tuple[str, object, object]]:
+    """Qwen3.6-27B's Gated DeltaNet layer (16 key heads, 48 value heads of 128 x 128, conv kernel 4): the conv and the
+    recurrence for a decode step, a DFlash chain, a random bushy tree and the tree DDTree-64 builds from synthetic
+    acceptance's draft scores (a rank-0 spine with rank-1 branches)."""
+    from kernels.gated_delta import (DeltaDims, causal_conv_triton, delta_inputs, gated_delta_triton,
+                                     tree_causal_conv_reference, tree_gated_delta_reference, tree_schedule)
+    from kernels.tree_ops import build_tree_reference
+
+    dims = DeltaDims(16, 128, 48, 128)
+    channels = 2 * 16 * 128 + 48 * 128
+    depths = 15
+    logp = torch.tensor([-0.15, -2.15, -4.15, -6.15, -8.15, -15.6, -15.7, -15.8]).expand(depths, 8).contiguous()
+    _, parents, _, visible, _ = build_tree_reference(logp, torch.arange(8).expand(depths, 8), 64)
+    bushy = [-1] + [int(torch.randint(0, i, (1,))) for i in range(1, 65)]
+    trees = {"decode": [-1], "chain 16": list(range(-1, 15)), "bushy 65": bushy,
+             "ddtree-64 tree": [-1] + parents.tolist()}
+    state = torch.randn(1, 48, 128, 128, generator=gen, device="cuda") * 0.1
+    A_log = torch.randn(48, generator=gen, device="cuda")
+    dt_bias = torch.randn(48, generator=gen, device="cuda")
+    weight = torch.randn(channels, 4, generator=gen, device="cuda").to(bf16)
+    window = torch.randn(1, channels, 3, generator=gen, device="cuda").to(bf16)
+    cases = []
+    for name, tree in trees.items():
+        T = len(tree)
+        par = torch.tensor(tree, device="cuda")
+        mask = torch.eye(T, dtype=torch.bool, device="cuda")
+        for i in range(1, T):
+            if tree[i] >= 0:
+                mask[i] |= mask[tree[i]]
+        sched = tree_schedule(par, mask, T, 4, torch.device("cuda"), max_depth=depths)
+        mixed = torch.randn(1, T, channels, generator=gen, device="cuda").to(bf16)
+        a, b = (torch.randn(1, T, 48, generator=gen, device="cuda").to(bf16) for _ in range(2))
+        out = torch.empty(1, T, 48, 128, dtype=bf16, device="cuda")
+        ref_inputs = delta_inputs(mixed, a, b, A_log, dt_bias, dims)
+        cases.append((f"gated_delta 27B shape, {name} ({T} rows, {int((sched.lengths > 0).sum())} chains)",
+                      lambda m=mixed, a=a, b=b, s=sched, o=out: gated_delta_triton(m, a, b, A_log, dt_bias, dims,
+                                                                                 state, s, o, None),
+                      lambda r=ref_inputs, p=par: tree_gated_delta_reference(*r, p, state)))
+        if name in ("decode", "ddtree-64 tree"):
+            cases.append((f"causal_conv 27B shape, {T} rows",
+                          lambda m=mixed, s=sched: causal_conv_triton(m, weight, window, s.ancestors),
+                          lambda m=mixed, p=par: tree_causal_conv_reference(m, weight, window, p)))
     return cases
 
 
@@ -151,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf16 = torch.bfloat16
     rows = []
-    for name, kernel, reference in _fused(gen, bf16) + _tree(gen) + _attention(gen, bf16) + _cross_entropy(gen):
+    cases = _fused(gen, bf16) + _tree(gen) + _attention(gen, bf16) + _gated_delta(gen, bf16) + _cross_entropy(gen)
+    for name, kernel, reference in cases:
         reps = 3 if name.startswith("cross_entropy") else 50
         eager = name.startswith(EAGER_REFERENCES)
         rows.append(dict(kernel=name, triton_us=graph_time_us(kernel, reps=reps),
