@@ -44,13 +44,12 @@ gated_rmsnorm(x [..., dv], z [..., dv], weight [dv], eps) -> weight * rmsnorm(x)
 _gated_delta_kernel: grid (B * Hv, dv / BV, chains). A program keeps a [dk, BV] tile of one head's state (a value
 column evolves independently of the others) in registers, reads the committed tile once and walks its chain's
 root-to-leaf path; loads run ahead (row indices three rows, inputs two, the next row's normalised k and gates beside
-the current row's update). No per-node state ever
-leaves the chip: the verify pass writes only the rows' outputs, and every row's state is computed exactly as a decode
-step computes it, one update per ancestor from the committed state. So a decode step, a verify pass and commit's
-replay (a single chain each) run one compiled kernel whose arithmetic does not depend on the tree (no argument that
-varies with the rows is specialised on): a verified row reproduces the decode step bit for bit. The price is the replayed rows above each chain's head
-(at most the tree's depth per chain); the gain is that programs of different chains run side by side, so the
-sequential length is the tree's depth, not its size.
+the current row's update). No per-node state ever leaves the chip: the verify pass writes only the rows' outputs, and
+every row's state is computed exactly as a decode step computes it, one update per ancestor from the committed state.
+So a decode step, a verify pass and commit's replay (a single chain each) run one compiled kernel whose arithmetic does
+not depend on the tree (no argument that varies with the rows is specialised on): a verified row reproduces the decode
+step bit for bit. The price is the replayed rows above each chain's head (at most the tree's depth per chain); the gain
+is that programs of different chains run side by side, so the sequential length is the tree's depth, not its size.
 """
 from __future__ import annotations
 
