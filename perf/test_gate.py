@@ -19,7 +19,8 @@ from engine.results import gpu_telemetry
 from engine.workloads import GATED_LENGTHS
 from perf.floors import floor_key
 
-SELECTION = "throughput and fib and default and not synthetic and (ar or ddtree-15)"
+# whole parameter ids: a bare "ar" would match every test (the parametrize mark's name contains it)
+SELECTION = "throughput and default and not synthetic and (fib-ar] or fib-ddtree-15])"
 
 
 def _suite(tmp_path, pytestconfig, planted: bool) -> subprocess.CompletedProcess:
