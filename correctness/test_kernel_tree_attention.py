@@ -541,5 +541,62 @@ def test_gpu_verify_rows_equal_decode_steps(H, KVH, D):
         assert not errors, f"T={T} {kind}: {errors[:5]}"
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Batch rows with their own committed lengths and trees (batched decoding)
+
+def batched_rows_errors(dtype, device, B=3, H=4, KVH=2, T=7, D=16, CAP=40, kernel=True) -> list[str]:
+    """One call over B rows, each with its own start and tree: every row of the kernel equals, bit for bit, the same
+    row run alone (a row's result does not depend on the rows beside it); kernel and reference equal the plain
+    per-row definition within tolerance. kernel=False: the reference only."""
+    gen = seeded(f"batched-{dtype}")
+    q, k, v = make_qkv(B, H, KVH, T, D, CAP, dtype, "contig", gen, device=device)
+    starts = torch.tensor([0, 13, 30][:B], device=device)
+    masks = torch.stack([make_mask(kind, T, gen) for kind in ("chain", "tree", "star")][:B]).to(device)
+    ref = tree_attention_reference(q, k, v, starts, masks)
+    out = tree_attention_triton(q, k, v, starts, masks) if kernel else ref
+    errors = []
+    for b in range(B):
+        start = int(starts[b])
+        if kernel and not torch.equal(out[b:b + 1], tree_attention_triton(q[b:b + 1], k[b:b + 1], v[b:b + 1], start,
+                                                                          masks[b])):
+            errors.append(f"row {b}: differs from the row run alone")
+        want = naive_tree_attention(q[b:b + 1].cpu().float(), k[b:b + 1].cpu().float(), v[b:b + 1].cpu().float(),
+                                    start, masks[b].cpu())
+        for name, got in (("kernel", out), ("reference", ref)):
+            if excess(got[b:b + 1].cpu(), want, TOL[dtype]) > 0:
+                errors.append(f"row {b}: the {name} differs from the definition")
+    return errors
+
+
+def _interpreted_batched_rows() -> str:
+    errors = batched_rows_errors(torch.float32, "cpu")
+    assert not errors, errors
+    return "3 rows with their own starts and trees"
+
+
+@pytest.mark.cpu
+def test_interpreter_batched_rows_equal_rows_alone():
+    pytest.importorskip("triton")
+    assert_interpreted_ok("correctness.test_kernel_tree_attention", "batched_rows")
+
+
+@pytest.mark.cpu
+def test_reference_batched_rows_and_bad_starts():
+    errors = batched_rows_errors(torch.float32, "cpu", kernel=False)
+    assert not errors, errors
+    q, k, v = make_qkv(2, 2, 2, 3, 8, 10, torch.float32, "contig", seeded("bad-starts"))
+    with pytest.raises(ValueError, match="3 values for a batch of 2"):
+        tree_attention_reference(q, k, v, torch.tensor([1, 2, 3]), torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="node_mask must be"):
+        tree_attention_reference(q, k, v, 0, torch.ones(3, 3, 3, dtype=torch.bool))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_batched_rows_equal_rows_alone():
+    errors = batched_rows_errors(torch.bfloat16, "cuda", H=32, KVH=8, T=16, D=128, CAP=1200)
+    assert not errors, errors
+
+
 if __name__ == "__main__":
-    run_checks_main({"invariance": _interpreted_invariance})
+    run_checks_main({"invariance": _interpreted_invariance, "batched_rows": _interpreted_batched_rows})

@@ -9,7 +9,9 @@ verify, a causal prefill chunk) is the special case of a lower-triangular mask, 
 
     out[b, h, i] = softmax_j( q[b, h, i] . k[b, h // G, j] / sqrt(D) ; j < start or node_mask[i, j - start] ) @ v
 
-with G = H // KVH query heads per kv head (GQA), softmax and accumulation in float32, `out` in q's dtype.
+with G = H // KVH query heads per kv head (GQA), softmax and accumulation in float32, `out` in q's dtype. Batch rows
+may be separate sequences (batched decoding): `start` is then one committed length per row [B] and node_mask one
+tree per row [B, T, T]; a row's result does not depend on the rows beside it.
 
 Three entry points:
 
@@ -66,15 +68,33 @@ def _check_shapes(q, k_cache, v_cache, node_mask):
         raise ValueError(f"q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)} disagree on batch or head_dim")
     if H % k_cache.shape[1] != 0:
         raise ValueError(f"query heads {H} not a multiple of kv heads {k_cache.shape[1]}")
-    if tuple(node_mask.shape) != (T, T):
-        raise ValueError(f"node_mask must be [{T}, {T}], got {tuple(node_mask.shape)}")
+    if tuple(node_mask.shape) not in ((T, T), (B, T, T)):
+        raise ValueError(f"node_mask must be [{T}, {T}] or [{B}, {T}, {T}], got {tuple(node_mask.shape)}")
+
+
+def _row_starts(start, B: int) -> list[int]:
+    """The committed length of each batch row, on the host (the reference's view): an int, a 1-element tensor for
+    every row, or one value per row."""
+    if isinstance(start, torch.Tensor) and start.numel() > 1:
+        if start.numel() != B:
+            raise ValueError(f"start has {start.numel()} values for a batch of {B}")
+        return [int(x) for x in start.reshape(-1).tolist()]
+    return [int(start)] * B
 
 
 def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start,
                              node_mask: torch.Tensor) -> torch.Tensor:
-    """Plain PyTorch tree attention (reads `start` on the host). Computes in float32 (float64 for float64 inputs)."""
+    """Plain PyTorch tree attention (reads `start` on the host). Computes in float32 (float64 for float64 inputs).
+    start: an int or 1-element tensor, or one committed length per batch row [B]; node_mask [T, T] or per row
+    [B, T, T]."""
     _check_shapes(q, k_cache, v_cache, node_mask)
-    start = int(start)
+    B = q.shape[0]
+    starts = _row_starts(start, B)
+    if node_mask.dim() == 3 or len(set(starts)) > 1:  # rows differ: one row at a time
+        masks = node_mask if node_mask.dim() == 3 else node_mask.expand(B, *node_mask.shape)
+        return torch.cat([tree_attention_reference(q[b:b + 1], k_cache[b:b + 1], v_cache[b:b + 1], starts[b], masks[b])
+                          for b in range(B)])
+    start = starts[0]
     B, H, T, D = q.shape
     kvh = k_cache.shape[1]
     end = start + T
@@ -100,7 +120,7 @@ if triton is not None:
                        stride_qb, stride_qh, stride_qt,
                        stride_kb, stride_kh, stride_kn,
                        stride_vb, stride_vh, stride_vn,
-                       stride_nm0, stride_nm1, stride_rows,
+                       stride_start, stride_nmb, stride_nm0, stride_nm1, stride_rows_b, stride_rows,
                        stride_ob, stride_oh, stride_ot,
                        G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T_P2: tl.constexpr,
                        SPLIT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
@@ -112,13 +132,13 @@ if triton is not None:
         b = (pid_bk // KVH).to(tl.int64)
         kvh = (pid_bk % KVH).to(tl.int64)
 
-        start = tl.load(start_ptr).to(tl.int32)  # on the device: CUDA-graph replays may change it
+        start = tl.load(start_ptr + b * stride_start).to(tl.int32)  # on the device: graph replays may change it
         # The token's keys are logical 0 .. start + (visible new rows) - 1: the committed rows, then its visible new
         # rows in index order (a tree lists ancestors before descendants), the j-th of them rows_ptr[t, j].
         nodes = tl.arange(0, T_P2)
-        seen = tl.load(nm_ptr + t * stride_nm0 + nodes * stride_nm1, mask=nodes < T, other=0) != 0
+        seen = tl.load(nm_ptr + b * stride_nmb + t * stride_nm0 + nodes * stride_nm1, mask=nodes < T, other=0) != 0
         length = start + tl.sum(seen.to(tl.int32), 0)
-        visible = rows_ptr + t * stride_rows
+        visible = rows_ptr + b * stride_rows_b + t * stride_rows
 
         # rows of this program: the G query heads of the kv head (padded to BLOCK_M >= 16 for tl.dot)
         offs_m = tl.arange(0, BLOCK_M)
@@ -220,28 +240,32 @@ if triton is not None:
                  o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _start_tensor(start, device) -> torch.Tensor:
+def _start_tensor(start, B: int, device) -> torch.Tensor:
+    """start on the device: one value for all rows, or one per batch row (then contiguous, [B])."""
     if isinstance(start, torch.Tensor):
-        if start.numel() != 1 or start.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"start must be a single int32/int64 value, got {start.dtype} {tuple(start.shape)}")
-        return start if start.device == device else start.to(device)  # a host copy is not graph-capturable
+        if start.numel() not in (1, B) or start.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"start must be one int32/int64 value or one per batch row ({B}), got {start.dtype} "
+                             f"{tuple(start.shape)}")
+        start = start if start.device == device else start.to(device)  # a host copy is not graph-capturable
+        return start.reshape(-1) if start.numel() > 1 else start
     return torch.full((), int(start), dtype=torch.int64, device=device)  # a fill kernel, capturable
 
 
 def visible_rows(node_mask: torch.Tensor) -> torch.Tensor:
-    """[T, T] int32: row t lists the new rows that row t sees, in index order, then padding (T). On the device, no
-    host read; computed once per forward pass and shared by its attention layers."""
-    T = node_mask.shape[0]
+    """[..., T, T] int32 from a [..., T, T] mask: row t lists the new rows that row t sees, in index order, then
+    padding (T). On the device, no host read; computed once per forward pass and shared by its attention layers."""
+    T = node_mask.shape[-1]
     index = torch.arange(T, dtype=torch.int32, device=node_mask.device)
-    return torch.where(node_mask.bool(), index, T).sort(dim=1).values.contiguous()
+    return torch.where(node_mask.bool(), index, T).sort(dim=-1).values.contiguous()
 
 
 def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start,
                           node_mask: torch.Tensor, split_size: int = SPLIT_SIZE, block_n: int = BLOCK_N,
                           num_warps: int | None = None, num_stages: int | None = None,
                           out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton kernel. `start`: a 1-element int tensor on q's device (read by the kernel) or a Python int.
-    `rows`: visible_rows(node_mask) where the caller has it already.
+    """The Triton kernel. `start`: a 1-element int tensor on q's device (read by the kernel), one per batch row [B],
+    or a Python int; node_mask [T, T] (all rows) or [B, T, T]. `rows`: visible_rows(node_mask) where the caller has
+    it already.
 
     `out`, if given, is a [B, H, T, D] tensor of q's dtype (any strides with a contiguous last dim) that receives
     the result. `split_size` (keys per split, rounded up to a multiple of `block_n`) fixes the number of splits,
@@ -270,7 +294,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return out
     if q.stride(3) != 1:
         q = q.contiguous()
-    start_t = _start_tensor(start, q.device)
+    start_t = _start_tensor(start, B, q.device)
     nm = node_mask.to(device=q.device, dtype=torch.bool).view(torch.uint8)
     if rows is None:
         rows = visible_rows(nm)
@@ -306,7 +330,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        nm.stride(0), nm.stride(1), rows.stride(0),
+        start_t.stride(0) if start_t.dim() else 0, nm.stride(0) if nm.dim() == 3 else 0, nm.stride(-2), nm.stride(-1),
+        rows.stride(0) if rows.dim() == 3 else 0, rows.stride(-2),
         out.stride(0), out.stride(1), out.stride(2),
         G=G, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split, D=D, D_P2=d_p2,
         FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, num_warps=num_warps, num_stages=num_stages,
