@@ -277,7 +277,19 @@ def _interp_compact() -> str:
     compact_kv_reference(wk[..., :24], wv[..., :24], start, path, acc)
     compact_kv_triton(k, v, start, path, acc)
     assert torch.equal(base_k, wk) and torch.equal(base_v, wv), "strided compact"
-    return f"{cases + 1} compact_kv cases"
+    k, v, starts, paths, accs = batched_compact_case(rng)
+    wk, wv = k.clone(), v.clone()
+    compact_kv_reference(wk, wv, starts, paths, accs)
+    compact_kv_triton(k, v, starts, paths, accs)
+    assert torch.equal(k, wk) and torch.equal(v, wv), "batched compact"
+    return f"{cases + 2} compact_kv cases"
+
+
+def batched_compact_case(rng: random.Random, B: int = 3):
+    """Batch rows that are separate sequences: each with its own start, path and accepted count."""
+    cases = [compact_case(rng, 2, 1, 2, 48, 8, 6, 12, torch.float32) for _ in range(B)]
+    k, v = (torch.cat([c[i] for c in cases], dim=1) for i in (0, 1))
+    return k, v, *(torch.stack([c[i] for c in cases]) for i in (2, 3, 4))
 
 
 CHECKS = {"build": _interp_build, "ties": _interp_ties, "walk": _interp_walk, "compact": _interp_compact}
@@ -368,6 +380,19 @@ def test_compact_reference_matches_sequential_definition():
 
 
 @pytest.mark.cpu
+def test_compact_reference_batched_rows_follow_their_own_paths():
+    k, v, starts, paths, accs = batched_compact_case(random.Random(12))
+    wk, wv = k.clone(), v.clone()
+    for b in range(k.shape[1]):
+        sequential_compact(wk[:, b:b + 1], wv[:, b:b + 1], int(starts[b]), paths[b].tolist(), int(accs[b]))
+    compact_kv_reference(k, v, starts, paths, accs)
+    assert torch.equal(k, wk) and torch.equal(v, wv)
+    pytest.importorskip("triton")
+    with pytest.raises(ValueError, match="one per batch row"):  # refused before any launch
+        compact_kv_triton(k, v, starts[:2], paths, accs)
+
+
+@pytest.mark.cpu
 def test_dispatchers_use_the_references_on_cpu(monkeypatch):
     gen = torch.Generator().manual_seed(10)
     _, logp, ids = topk_inputs(gen, 3, 2, 100)
@@ -446,6 +471,11 @@ def real_shape_compact_checks(dev, layers: int) -> None:
         compact_kv_reference(wk, wv, start, path, acc)
         tree_ops.compact_kv(k, v, start, path, acc)
         assert torch.equal(k, wk) and torch.equal(v, wv), f"path={path.tolist()} acc={int(acc)}"
+    k, v, starts, paths, accs = (t.to(dev) for t in batched_compact_case(rng))
+    wk, wv = k.clone(), v.clone()
+    compact_kv_reference(wk, wv, starts, paths, accs)
+    tree_ops.compact_kv(k, v, starts, paths, accs)
+    assert torch.equal(k, wk) and torch.equal(v, wv), "batched rows"
 
 
 @pytest.mark.gpu

@@ -26,7 +26,8 @@ walk_tree(posterior [N+1], tokens [N], parents [N], count, max_depth) -> path [m
 
 compact_kv(k, v, start, path, accepted)
     k, v [L, B, KVH, CAP, Dh] (every layer in one tensor, last dim contiguous): for i < accepted, row start+i <-
-    row start+path[i], in place, all layers in one launch.
+    row start+path[i], in place, all layers in one launch. Batch rows that are separate sequences (batched decoding)
+    each have their own: start [B], path [B, P], accepted [B].
 
 Kernel designs
 --------------
@@ -181,9 +182,22 @@ def walk_tree_reference(posterior: torch.Tensor, tokens: torch.Tensor, parents: 
     return _deliver(result, out, _walk_specs(max_depth), dev)
 
 
+def _per_row(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > 0 and x.numel() > 1
+
+
 def compact_kv_reference(k: torch.Tensor, v: torch.Tensor, start, path: torch.Tensor, accepted) -> None:
     """Rows start+path[i] -> start+i for i < accepted, in every layer/batch/head of k and v (gather, then write:
-    the same as copying in order, since no source row is overwritten before it is read)."""
+    the same as copying in order, since no source row is overwritten before it is read). Batch rows that are separate
+    sequences have their own start [B], path [B, P] and accepted [B]."""
+    B = k.shape[1]
+    if path.dim() == 2 or _per_row(start) or _per_row(accepted):
+        starts, accs = (x.reshape(-1).expand(B) if isinstance(x, torch.Tensor) else torch.tensor([x] * B)
+                        for x in (start, accepted))
+        paths = path if path.dim() == 2 else path.expand(B, -1)
+        for b in range(B):
+            compact_kv_reference(k[:, b:b + 1], v[:, b:b + 1], starts[b], paths[b], accs[b])
+        return
     s, a = int(start), int(accepted)
     src = path[:a].to(device=k.device, dtype=torch.long) + s
     for t in (k, v):
@@ -326,7 +340,7 @@ if triton is not None:
         tl.store(bonus_ptr, tl.load(post_ptr + cur))
 
     @triton.jit
-    def _compact_kv_kernel(k_ptr, v_ptr, start_ptr, path_ptr, accepted_ptr,
+    def _compact_kv_kernel(k_ptr, v_ptr, start_ptr, path_ptr, accepted_ptr, s_start, s_path, s_acc,
                            sk_l, sk_b, sk_h, sk_r, sv_l, sv_b, sv_h, sv_r,
                            B: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, P: tl.constexpr,
                            BLOCK_D: tl.constexpr):
@@ -336,12 +350,12 @@ if triton is not None:
         h = pid % H
         offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         dm = offs < DH
-        start = tl.load(start_ptr).to(tl.int64)
-        acc = tl.load(accepted_ptr)
+        start = tl.load(start_ptr + b * s_start).to(tl.int64)  # strides 0: one sequence's values for all rows
+        acc = tl.load(accepted_ptr + b * s_acc)
         kb = k_ptr + l * sk_l + b * sk_b + h * sk_h + offs
         vb = v_ptr + l * sv_l + b * sv_b + h * sv_h + offs
         for i in range(P):  # in order: see the module docstring
-            pi = tl.load(path_ptr + i)
+            pi = tl.load(path_ptr + b * s_path + i)
             m = tl.where((i < acc) & (pi != i), dm, False)
             src = start + pi
             dst = start + i
@@ -406,7 +420,8 @@ def walk_tree_triton(posterior: torch.Tensor, tokens: torch.Tensor, parents: tor
 
 def compact_kv_triton(k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, path: torch.Tensor,
                       accepted: torch.Tensor) -> None:
-    """The Triton compact_kv: every layer, batch and kv head of k and v in one launch."""
+    """The Triton compact_kv: every layer, batch and kv head of k and v in one launch; start, path and accepted one
+    for all batch rows ([], [P], []) or one per row ([B], [B, P], [B])."""
     _require_triton()
     if k.dim() != 5 or v.shape != k.shape or k.dtype != v.dtype:
         raise ValueError(f"expected k = v [L, B, KVH, CAP, Dh] of one dtype, got {tuple(k.shape)} {k.dtype}, "
@@ -414,15 +429,20 @@ def compact_kv_triton(k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, pat
     if k.stride(4) != 1 or v.stride(4) != 1:
         raise ValueError("k and v need a contiguous last dimension")
     L, B, H, _, Dh = k.shape
-    P = path.shape[0]
-    if path.dim() != 1 or P == 0:
-        raise ValueError(f"path must be [P] with P >= 1, got {tuple(path.shape)}")
+    P = path.shape[-1]
+    if path.dim() not in (1, 2) or P == 0 or (path.dim() == 2 and path.shape[0] != B):
+        raise ValueError(f"path must be [P] or [{B}, P] with P >= 1, got {tuple(path.shape)}")
+    for name, x in (("start", start), ("accepted", accepted)):
+        if x.numel() not in (1, B):
+            raise ValueError(f"{name} must hold one value or one per batch row ({B}), got {tuple(x.shape)}")
     if L * B * H * Dh == 0:
         return
     path = path.contiguous()
     block_d = min(128, _next_pow2(Dh))
     grid = (L * B * H, triton.cdiv(Dh, block_d))
-    _compact_kv_kernel[grid](k, v, start.reshape(()), path, accepted.reshape(()),
+    start, accepted = start.reshape(-1), accepted.reshape(-1)
+    _compact_kv_kernel[grid](k, v, start, path, accepted, int(start.numel() > 1), path.stride(0) if path.dim() == 2
+                             else 0, int(accepted.numel() > 1),
                              k.stride(0), k.stride(1), k.stride(2), k.stride(3),
                              v.stride(0), v.stride(1), v.stride(2), v.stride(3),
                              B=B, H=H, DH=Dh, P=P, BLOCK_D=block_d, num_warps=1 if block_d <= 128 else 2)
