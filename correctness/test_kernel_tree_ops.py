@@ -292,7 +292,30 @@ def batched_compact_case(rng: random.Random, B: int = 3):
     return k, v, *(torch.stack([c[i] for c in cases]) for i in (2, 3, 4))
 
 
-CHECKS = {"build": _interp_build, "ties": _interp_ties, "walk": _interp_walk, "compact": _interp_compact}
+def check_batched_trees(build_fn, walk_fn, device, B: int = 3, depths: int = 6, k: int = 4, budget: int = 15) -> str:
+    """Several sequences in one call: each sequence's tree and walk equal those of the reference run on it alone."""
+    gen = torch.Generator().manual_seed(15)
+    rows = [topk_inputs(gen, depths, k, 200, device) for _ in range(B)]
+    logp, ids = torch.stack([r[1] for r in rows]), torch.stack([r[2] for r in rows])
+    built = build_fn(logp, ids, budget)
+    tokens, parents, _, _, count = built
+    posterior = torch.randint(0, 200, (B, budget + 1), generator=gen).to(device)
+    posterior[:, 0] = tokens[:, 0]  # each walk accepts at least its first node, then follows random choices
+    walked = walk_fn(posterior, tokens, parents, count, depths)
+    for b in range(B):
+        alone = build_tree_reference(logp[b], ids[b], budget)
+        assert_same(BUILD_NAMES, tuple(t[b] for t in built), alone, f"sequence {b}'s tree")
+        alone = walk_tree_reference(posterior[b], tokens[b], parents[b], count[b], depths)
+        assert all(torch.equal(g[b].cpu(), w.cpu()) for g, w in zip(walked, alone)), f"sequence {b}'s walk"
+    return f"{B} sequences built and walked in one call each"
+
+
+def _interp_batched() -> str:
+    return check_batched_trees(build_tree_triton, walk_tree_triton, "cpu")
+
+
+CHECKS = {"build": _interp_build, "ties": _interp_ties, "walk": _interp_walk, "compact": _interp_compact,
+          "batched": _interp_batched}
 
 
 # ---------------------------------------------------------------------------------------------------- CPU tests
@@ -380,6 +403,11 @@ def test_compact_reference_matches_sequential_definition():
 
 
 @pytest.mark.cpu
+def test_references_build_and_walk_batched_sequences():
+    check_batched_trees(build_tree_reference, walk_tree_reference, "cpu")
+
+
+@pytest.mark.cpu
 def test_compact_reference_batched_rows_follow_their_own_paths():
     k, v, starts, paths, accs = batched_compact_case(random.Random(12))
     wk, wv = k.clone(), v.clone()
@@ -461,6 +489,12 @@ def real_shape_walk_checks(dev, vocab: int) -> None:
 @needs_cuda
 def test_gpu_compact_kv_matches_reference():
     real_shape_compact_checks("cuda", 36)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_batched_trees_match_reference():
+    check_batched_trees(tree_ops.build_tree, tree_ops.walk_tree, "cuda", B=8, depths=15, k=8, budget=64)
 
 
 def real_shape_compact_checks(dev, layers: int) -> None:

@@ -29,9 +29,10 @@ order (a tree lists every ancestor before its descendants), logical key start + 
 rank j. The program walks logical keys in BLOCK_N blocks (tl.dot for Q K^T and P V) with an online softmax in
 base 2 (running max, running sum, unnormalised float32 accumulator); blocks that reach the new rows gather their
 K/V rows through the token's row list (`visible_rows(node_mask)`, built once per forward pass: a gather, where an
-earlier version matched ranks against all T rows in every block), and keys past the token's last one are masked. So a token's arithmetic, block
-by block, is that of the one-token decode step at the same position: whether it is verified alone, in a chain, or
-deep in a tree whose siblings sit between its ancestors, the result is the same bit for bit (docs/design.md,
+earlier version matched ranks against all T rows in every block), and keys past the token's last one are masked.
+So a token's arithmetic, block by block, is that of the one-token decode step at the same position: whether it is
+verified alone, in a chain, or deep in a tree whose siblings sit between its ancestors, the result is the same bit
+for bit (docs/design.md,
 "Exactness": then no divergence can happen at all). Earlier designs were not: tiles of several tokens sharing masked K/V
 blocks put a tree node's ancestors at other offsets inside a block, and separate loops for whole prefix blocks
 and masked blocks were compiled to differently-rounding code; both made verification differ from decoding in

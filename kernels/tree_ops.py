@@ -10,6 +10,7 @@ Three functions of the decode loop (docs/design.md, "DDTree"), each in three for
   `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) forces the reference.
 
 build_tree(topk_logp [Dp, K] f32, topk_ids [Dp, K] i64, budget) -> tokens, parents, depths, visible, count
+    (batched decoding: [B, Dp, K] inputs, one tree per sequence, every output with a leading B; walk_tree likewise)
     Best-first selection (docs/design.md) with float32 scores: a candidate is
     (depth index d, rank r, parent p, score); start (0, 0, root, logp[0][0]); the best candidate (ties: the one
     pushed first) becomes node n = 1, 2, ...; it pushes its sibling (d, r+1, p, score - logp[d][r] + logp[d][r+1])
@@ -102,18 +103,23 @@ def _check_out(out, specs, device):
     return out
 
 
-def _build_specs(budget: int):
-    return [((budget,), torch.long), ((budget,), torch.long), ((budget,), torch.long),
-            ((budget + 1, budget + 1), torch.bool), ((), torch.long)]
+def _build_specs(budget: int, batch: tuple = ()):
+    return [(batch + (budget,), torch.long), (batch + (budget,), torch.long), (batch + (budget,), torch.long),
+            (batch + (budget + 1, budget + 1), torch.bool), (batch, torch.long)]
 
 
-def _walk_specs(max_depth: int):
-    return [((max_depth + 1,), torch.long), ((), torch.long), ((), torch.long)]
+def _walk_specs(max_depth: int, batch: tuple = ()):
+    return [(batch + (max_depth + 1,), torch.long), (batch, torch.long), (batch, torch.long)]
+
+
+def _stack_rows(rows: list[tuple]) -> tuple:
+    """Per-sequence results of a reference, stacked along a new batch dimension."""
+    return tuple(torch.stack(parts) for parts in zip(*rows))
 
 
 def _check_build_inputs(topk_logp, topk_ids, budget):
-    if topk_logp.dim() != 2 or topk_ids.shape != topk_logp.shape:
-        raise ValueError(f"expected topk_logp and topk_ids [Dp, K], got {tuple(topk_logp.shape)}, "
+    if topk_logp.dim() not in (2, 3) or topk_ids.shape != topk_logp.shape:
+        raise ValueError(f"expected topk_logp and topk_ids [Dp, K] (or [B, Dp, K]), got {tuple(topk_logp.shape)}, "
                          f"{tuple(topk_ids.shape)}")
     if topk_logp.dtype != torch.float32 or topk_ids.dtype != torch.long:
         raise ValueError(f"expected float32 topk_logp and int64 topk_ids, got {topk_logp.dtype}, {topk_ids.dtype}")
@@ -121,15 +127,19 @@ def _check_build_inputs(topk_logp, topk_ids, budget):
         raise ValueError("topk_logp and topk_ids must be on the same device")
     if int(budget) != budget or budget < 1:
         raise ValueError(f"budget must be an int >= 1, got {budget}")
-    if topk_logp.shape[0] < 1 or topk_logp.shape[1] < 1:
+    if topk_logp.shape[-2] < 1 or topk_logp.shape[-1] < 1:
         raise ValueError(f"need at least one depth and one rank, got {tuple(topk_logp.shape)}")
 
 
 # ==================================================================================================== references
 
 def build_tree_reference(topk_logp: torch.Tensor, topk_ids: torch.Tensor, budget: int, out=None):
-    """Best-first tree selection with a heap, float32 scores (numpy.float32 scalars) and push-order tie-breaking."""
+    """Best-first tree selection with a heap, float32 scores (numpy.float32 scalars) and push-order tie-breaking.
+    [B, Dp, K] inputs: one tree per sequence, outputs with a leading B."""
     _check_build_inputs(topk_logp, topk_ids, budget)
+    if topk_logp.dim() == 3:
+        rows = _stack_rows([build_tree_reference(lp, ids, budget) for lp, ids in zip(topk_logp, topk_ids)])
+        return _deliver(rows, out, _build_specs(budget, topk_logp.shape[:1]), topk_logp.device)
     Dp, K = topk_logp.shape
     logp = topk_logp.detach().cpu().numpy().astype(np.float32, copy=False)
     ids = topk_ids.detach().cpu().tolist()
@@ -163,7 +173,12 @@ def build_tree_reference(topk_logp: torch.Tensor, topk_ids: torch.Tensor, budget
 
 def walk_tree_reference(posterior: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, count, max_depth: int,
                         out=None):
-    """Follow the target's greedy choices from the root through the real nodes (at most max_depth steps)."""
+    """Follow the target's greedy choices from the root through the real nodes (at most max_depth steps). Batched
+    inputs ([B, N+1], [B, N], [B, N], [B]): one walk per sequence, outputs with a leading B."""
+    if posterior.dim() == 2:
+        counts = (count if isinstance(count, torch.Tensor) else torch.tensor(count)).reshape(-1).expand(len(posterior))
+        rows = _stack_rows([walk_tree_reference(*row, max_depth) for row in zip(posterior, tokens, parents, counts)])
+        return _deliver(rows, out, _walk_specs(max_depth, posterior.shape[:1]), posterior.device)
     post = posterior.detach().cpu().tolist()
     toks = tokens.detach().cpu().tolist()
     pars = parents.detach().cpu().tolist()
@@ -224,6 +239,14 @@ if triton is not None:
                            DP: tl.constexpr, K: tl.constexpr, BUDGET: tl.constexpr, CAP: tl.constexpr,
                            NCAP: tl.constexpr, VMAX: tl.constexpr, CODE_BITS: tl.constexpr, PACKED: tl.constexpr,
                            FILL: tl.constexpr, WCAP: tl.constexpr):
+        seq = tl.program_id(0).to(tl.int64)  # a batch of sequences: each program builds one tree
+        logp_ptr += seq * DP * K
+        ids_ptr += seq * DP * K
+        tokens_ptr += seq * BUDGET
+        parents_ptr += seq * BUDGET
+        depths_ptr += seq * BUDGET
+        visible_ptr += seq * (BUDGET + 1) * (BUDGET + 1)
+        count_ptr += seq
         DK: tl.constexpr = DP * K
         EMPTY: tl.constexpr = -9223372036854775807 - 1
         CODE_MASK: tl.constexpr = (1 << CODE_BITS) - 1
@@ -316,6 +339,14 @@ if triton is not None:
     @triton.jit
     def _walk_tree_kernel(post_ptr, tokens_ptr, parents_ptr, count_ptr, path_ptr, accepted_ptr, bonus_ptr,
                           N: tl.constexpr, NCAP: tl.constexpr, MAXD: tl.constexpr, PCAP: tl.constexpr):
+        seq = tl.program_id(0).to(tl.int64)  # a batch of sequences: each program walks one tree
+        post_ptr += seq * (N + 1)
+        tokens_ptr += seq * N
+        parents_ptr += seq * N
+        count_ptr += seq
+        path_ptr += seq * (MAXD + 1)
+        accepted_ptr += seq
+        bonus_ptr += seq
         idx = tl.arange(0, NCAP)
         cnt = tl.load(count_ptr)
         real = (idx < N) & (idx < cnt)
@@ -371,12 +402,14 @@ def _require_triton():
 
 
 def build_tree_triton(topk_logp: torch.Tensor, topk_ids: torch.Tensor, budget: int, out=None, _packed=None):
-    """The Triton build_tree (one program, one launch). _packed=False forces the two-reduction variant (tests)."""
+    """The Triton build_tree (one program per sequence, one launch). _packed=False forces the two-reduction variant
+    (tests)."""
     _require_triton()
     _check_build_inputs(topk_logp, topk_ids, budget)
-    Dp, K = topk_logp.shape
+    batch = tuple(topk_logp.shape[:-2])
+    Dp, K = topk_logp.shape[-2:]
     dev = topk_logp.device
-    tokens, parents, depths, visible, count = _check_out(out, _build_specs(budget), dev)
+    tokens, parents, depths, visible, count = _check_out(out, _build_specs(budget, batch), dev)
     logp = topk_logp.contiguous()
     ids = topk_ids.contiguous()
     v_bits = (2 * budget).bit_length()            # virtual push numbers 0..2*budget
@@ -386,7 +419,7 @@ def build_tree_triton(topk_logp: torch.Tensor, topk_ids: torch.Tensor, budget: i
     packed = v_bits + code_bits <= 32 if _packed is None else bool(_packed)
     if packed and v_bits + code_bits > 32:
         raise ValueError("the packed key does not fit")
-    _build_tree_kernel[(1,)](
+    _build_tree_kernel[(batch[0] if batch else 1,)](
         logp, ids, tokens, parents, depths, visible.view(torch.uint8), count,
         DP=Dp, K=K, BUDGET=budget, CAP=_next_pow2(budget + 2), NCAP=max(2, _next_pow2(budget)),
         VMAX=(1 << v_bits) - 1, CODE_BITS=code_bits if packed else 0, PACKED=packed,
@@ -396,25 +429,27 @@ def build_tree_triton(topk_logp: torch.Tensor, topk_ids: torch.Tensor, budget: i
 
 def walk_tree_triton(posterior: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, count: torch.Tensor,
                      max_depth: int, out=None):
-    """The Triton walk_tree (one program, one launch)."""
+    """The Triton walk_tree (one program per sequence, one launch)."""
     _require_triton()
-    N = tokens.shape[0]
-    if posterior.shape != (N + 1,) or parents.shape != (N,) or count.numel() != 1:
-        raise ValueError(f"expected posterior [N+1], tokens and parents [N], count 0-d; got "
+    batch = tuple(tokens.shape[:-1])
+    N = tokens.shape[-1]
+    if tokens.dim() > 2 or posterior.shape != batch + (N + 1,) or parents.shape != batch + (N,) \
+            or count.numel() != (batch[0] if batch else 1):
+        raise ValueError(f"expected posterior [N+1], tokens and parents [N], count 0-d (or [B, N+1], [B, N], [B]); got "
                          f"{tuple(posterior.shape)}, {tuple(tokens.shape)}, {tuple(parents.shape)}, "
                          f"{tuple(count.shape)}")
     if max_depth < 0:
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     dev = posterior.device
-    path, accepted, bonus = _check_out(out, _walk_specs(max_depth), dev)
+    path, accepted, bonus = _check_out(out, _walk_specs(max_depth, batch), dev)
     posterior = posterior.contiguous()
     if N == 0:  # nothing to read: pass a valid pointer for the (fully masked) node loads
         tokens = parents = posterior
     else:
         tokens, parents = tokens.contiguous(), parents.contiguous()
-    _walk_tree_kernel[(1,)](posterior, tokens, parents, count.reshape(()), path, accepted, bonus,
-                            N=N, NCAP=max(2, _next_pow2(N)), MAXD=max_depth, PCAP=max(2, _next_pow2(max_depth + 1)),
-                            num_warps=1)
+    _walk_tree_kernel[(batch[0] if batch else 1,)](
+        posterior, tokens, parents, count.contiguous(), path, accepted, bonus, N=N, NCAP=max(2, _next_pow2(N)),
+        MAXD=max_depth, PCAP=max(2, _next_pow2(max_depth + 1)), num_warps=1)
     return path, accepted, bonus
 
 
