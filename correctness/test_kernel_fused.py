@@ -85,13 +85,17 @@ def check_rmsnorm(fn, gen, shape, dtype, device, residual: bool, context: str, i
     assert_close(y2, want_y, f"{context} fresh y")
 
 
-def qk_case(gen, B, T, H, KVH, D, R, norms, dtype, device="cpu", cap=64, start=None, layers=2, pad=8):
-    """Inputs of one qk_norm_rope_store case; caches are layer 1 of [layers, B, KVH, cap, D + pad] bases, [..., :D]."""
+def qk_case(gen, B, T, H, KVH, D, R, norms, dtype, device="cpu", cap=64, start=None, layers=2, pad=8,
+            per_row=False):
+    """Inputs of one qk_norm_rope_store case; caches are layer 1 of [layers, B, KVH, cap, D + pad] bases, [..., :D].
+    per_row: slots [B, T], each batch row its own (separate sequences)."""
     qkv = rand(gen, B, T, (H + 2 * KVH) * D, dtype=dtype, device=device, scale=2.0)
     q_norm = rand(gen, D, dtype=dtype, device=device) if norms in ("both", "q") else None
     k_norm = rand(gen, D, dtype=dtype, device=device) if norms in ("both", "k") else None
     cos, sin = rope_cos_sin(gen, B, T, R, dtype, device, start=start or 0)
-    if start is None:  # scattered slots, not in order
+    if per_row:
+        slots = torch.stack([torch.randperm(cap, generator=gen)[:T] for _ in range(B)])
+    elif start is None:  # scattered slots, not in order
         slots = torch.randperm(cap, generator=gen)[:T]
     else:
         slots = start + torch.arange(T)
@@ -99,7 +103,8 @@ def qk_case(gen, B, T, H, KVH, D, R, norms, dtype, device="cpu", cap=64, start=N
     k_base = rand(gen, layers, B, KVH, cap, D + pad, dtype=dtype, device=device)
     v_base = rand(gen, layers, B, KVH, cap, D + pad, dtype=dtype, device=device)
     written = torch.zeros(k_base.shape, dtype=torch.bool, device=device)
-    written[1, :, :, slots, :D] = True
+    for b, row_slots in enumerate(slots if per_row else [slots] * B):
+        written[1, b, :, row_slots, :D] = True
     k_base[written] = float("nan")
     v_base[written] = float("nan")
     return dict(qkv=qkv, q_norm=q_norm, k_norm=k_norm, cos=cos, sin=sin, slots=slots,
@@ -178,6 +183,9 @@ def _interp_qk() -> str:
             check_qk(qk_norm_rope_store_triton, case, f"qk {dtype} B{B} T{T} H{H} KVH{KVH} D{D} R{R} {norms}",
                      use_out=i % 3 != 2)
             cases += 1
+        case = qk_case(gen, 3, 5, 4, 2, 16, 16, "both", dtype, per_row=True)
+        check_qk(qk_norm_rope_store_triton, case, f"qk {dtype} per-row slots")
+        cases += 1
     return f"{cases} qk_norm_rope_store cases"
 
 
@@ -237,6 +245,23 @@ def test_references_match_transformers():
 
     gu = rand(gen, 4, 2 * 50, dtype=dt, scale=3.0)
     assert torch.equal(silu_mul_reference(gu), ACT2FN["silu"](gu[:, :50]) * gu[:, 50:])
+
+
+@pytest.mark.cpu
+def test_reference_per_row_slots_write_each_rows_own():
+    """Batch rows that are separate sequences: the reference with slots [B, T] equals each row written alone."""
+    gen = torch.Generator().manual_seed(21)
+    case = qk_case(gen, 3, 4, 4, 2, 8, 8, "both", torch.float32, per_row=True)
+    H, KVH, D = case["dims"]
+    args = (case["qkv"], H, KVH, D, case["q_norm"], case["k_norm"], EPS, case["cos"], case["sin"])
+    kb, vb = case["k_base"].clone(), case["v_base"].clone()
+    q = qk_norm_rope_store_reference(*args, kb[1, ..., :D], vb[1, ..., :D], case["slots"])
+    for b in range(3):
+        kr, vr = case["k_base"][1, b:b + 1, ..., :D].clone(), case["v_base"][1, b:b + 1, ..., :D].clone()
+        row = (case["qkv"][b:b + 1], H, KVH, D, case["q_norm"], case["k_norm"], EPS, case["cos"][b:b + 1],
+               case["sin"][b:b + 1])
+        assert torch.equal(q[b:b + 1], qk_norm_rope_store_reference(*row, kr, vr, case["slots"][b]))
+        assert torch.equal(kb[1, b:b + 1, ..., :D], kr) and torch.equal(vb[1, b:b + 1, ..., :D], vr)
 
 
 @pytest.mark.cpu

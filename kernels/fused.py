@@ -23,6 +23,7 @@ rmsnorm(x [..., N], weight [N], eps, residual=None) -> (y, h)
 
 qk_norm_rope_store(qkv [B, T, (H + 2 KVH) D], H, KVH, D, q_norm [D] | None, k_norm [D] | None, eps,
                    cos [B, T, R], sin [B, T, R], k_cache, v_cache [B, KVH, CAP, D], slots [T] int64) -> q [B, H, T, D]
+    (slots [B, T]: batch rows that are separate sequences write at their own slots)
     The fused q/k/v projection's output is split into heads (q heads, then k heads, then v heads); q and k heads get
     the per-head RMSNorm (as rmsnorm without residual) when q_norm / k_norm are given; then RoPE on the first R dims
     of each q and k head: x[:R] * cos + rotate_half(x[:R]) * sin in the input dtype (each product and the sum
@@ -114,8 +115,8 @@ def _check_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin,
             or k_cache.shape[1] != num_kv_heads or k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache and v_cache must be [B, KVH, CAP, D] = [{B}, {num_kv_heads}, CAP, {head_dim}], got "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if tuple(slots.shape) != (T,):
-        raise ValueError(f"slots must be [T] = [{T}], got {tuple(slots.shape)}")
+    if tuple(slots.shape) not in ((T,), (B, T)):
+        raise ValueError(f"slots must be [T] = [{T}] or per batch row [B, T] = [{B}, {T}], got {tuple(slots.shape)}")
 
 
 def qk_norm_rope_store_reference(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -135,8 +136,13 @@ def qk_norm_rope_store_reference(qkv: torch.Tensor, num_heads: int, num_kv_heads
         k = rmsnorm_reference(k, k_norm, eps)[0]
     q = rope_reference(q.transpose(1, 2), cos, sin)
     k = rope_reference(k.transpose(1, 2), cos, sin)
-    k_cache.index_copy_(2, slots, k)
-    v_cache.index_copy_(2, slots, v.transpose(1, 2))
+    if slots.dim() == 2:  # batch rows that are separate sequences: each writes at its own slots
+        for b in range(B):
+            k_cache[b].index_copy_(1, slots[b], k[b])
+            v_cache[b].index_copy_(1, slots[b], v[b].transpose(0, 1))
+    else:
+        k_cache.index_copy_(2, slots, k)
+        v_cache.index_copy_(2, slots, v.transpose(1, 2))
     return q.contiguous()
 
 
@@ -207,7 +213,7 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, kc_ptr, vc_ptr,
-                                   T, H, KVH, eps,
+                                   T, H, KVH, eps, s_slots_b,
                                    s_qkv_b, s_qkv_t, s_cos_b, s_cos_t, s_sin_b, s_sin_t,
                                    s_q_b, s_q_h, s_q_t, s_kc_b, s_kc_h, s_kc_s, s_vc_b, s_vc_h, s_vc_s,
                                    HAS_QN: tl.constexpr, HAS_KN: tl.constexpr,
@@ -223,11 +229,11 @@ if triton is not None:
             dst = q_ptr + b * s_q_b + hd * s_q_h + t * s_q_t
             _norm_rope_head(src, qn_ptr, cos_row, sin_row, dst, eps, HAS_QN, D, D_P2, R, SOFT_RNE)
         elif hd < H + KVH:
-            slot = tl.load(slots_ptr + t).to(tl.int64)
+            slot = tl.load(slots_ptr + b * s_slots_b + t).to(tl.int64)
             dst = kc_ptr + b * s_kc_b + (hd - H) * s_kc_h + slot * s_kc_s
             _norm_rope_head(src, kn_ptr, cos_row, sin_row, dst, eps, HAS_KN, D, D_P2, R, SOFT_RNE)
         else:
-            slot = tl.load(slots_ptr + t).to(tl.int64)
+            slot = tl.load(slots_ptr + b * s_slots_b + t).to(tl.int64)
             offs = tl.arange(0, D_P2)
             dmask = offs < D
             v = tl.load(src + offs, mask=dmask, other=0.0)
@@ -312,7 +318,7 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: i
                               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                               cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton kernel. `slots`: [T] int32/int64 on qkv's device. `out`, if given, is a [B, H, T, D] tensor of
+    """The Triton kernel. `slots`: [T] int32/int64 on qkv's device, or [B, T] (each batch row its own). `out`, if given, is a [B, H, T, D] tensor of
     qkv's dtype (any strides with a contiguous last dim) that receives q. The caches may be strided views (last dim
     contiguous). One launch, grid (B * T, H + 2 KVH)."""
     if triton is None:
@@ -344,9 +350,10 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: i
     if sin.stride(2) != 1:
         sin = sin.contiguous()
     d_p2 = next_pow2(D)
+    slots = slots.contiguous()
     _qk_norm_rope_store_kernel[(B * T, H + 2 * KVH)](
         qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos, sin, slots, out,
-        k_cache, v_cache, T, H, KVH, float(eps),
+        k_cache, v_cache, T, H, KVH, float(eps), slots.stride(0) if slots.dim() == 2 else 0,
         qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
