@@ -1,0 +1,71 @@
+"""The decode loop's Triton kernels compile for the H200 (sm_90a) on a machine without a GPU.
+
+CI has no GPU, and the Triton interpreter runs a kernel's Python semantics, not its compilation: a kernel that the
+interpreter accepts can still fail in the compiler (a type the lowering refuses, a layout it cannot convert). Each
+kernel here is compiled ahead of time to a cubin (Triton's own ptxas) at the shapes the engine launches it with,
+including the hybrid 27B shape, so such a failure shows in CI rather than on the first GPU runner.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+triton = pytest.importorskip("triton")
+compiler = pytest.importorskip("triton.compiler")
+backend = pytest.importorskip("triton.backends.compiler")
+
+from kernels import fused, gated_delta, tree_attention, tree_ops  # noqa: E402
+
+H200 = backend.GPUTarget("cuda", 90, 32)
+
+
+def ptr(dtype: str) -> str:
+    return "*" + dtype
+
+
+BF16, F32, I64, I32, U8 = ptr("bf16"), ptr("fp32"), ptr("i64"), ptr("i32"), ptr("u8")
+
+ATTENTION = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, start_ptr=I64, nm_ptr=U8, rows_ptr=I32, out_ptr=BF16,
+                 pacc_ptr=F32, pm_ptr=F32, pl_ptr=F32, qk_scale="fp32")
+BUILD = dict(logp_ptr=F32, ids_ptr=I64, tokens_ptr=I64, parents_ptr=I64, depths_ptr=I64, visible_ptr=U8,
+             count_ptr=I64)
+# (name, kernel, pointer and float argument types (others: i32), constexprs, compile options)
+CASES = [
+    ("tree attention, 27B shape, 65 rows", tree_attention._tree_attn_fwd, ATTENTION,
+     dict(G=6, BLOCK_M=16, BLOCK_N=64, T_P2=128, SPLIT=512, D=256, D_P2=256, FP32_DOT=False, ROUND_P=True,
+          WRITE_OUT=True), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
+    ("tree attention, 8B shape, decode, split keys", tree_attention._tree_attn_fwd, ATTENTION,
+     dict(G=4, BLOCK_M=16, BLOCK_N=64, T_P2=2, SPLIT=512, D=128, D_P2=128, FP32_DOT=False, ROUND_P=True,
+          WRITE_OUT=False), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
+    ("compact_kv", tree_ops._compact_kv_kernel, dict(k_ptr=BF16, v_ptr=BF16, start_ptr=I64, path_ptr=I64,
+                                                     accepted_ptr=I64),
+     dict(B=4, H=8, DH=128, P=16, BLOCK_D=128), dict(num_warps=1)),
+    ("build_tree budget 64", tree_ops._build_tree_kernel, BUILD,
+     dict(DP=15, K=8, BUDGET=64, CAP=128, NCAP=64, VMAX=255, CODE_BITS=13, PACKED=True, FILL=512, WCAP=128),
+     dict(num_warps=1)),
+    ("walk_tree", tree_ops._walk_tree_kernel, dict(post_ptr=I64, tokens_ptr=I64, parents_ptr=I64, count_ptr=I64,
+                                                   path_ptr=I64, accepted_ptr=I64, bonus_ptr=I64),
+     dict(N=64, NCAP=64, MAXD=15, PCAP=16), dict(num_warps=1)),
+    ("qk_norm_rope_store", fused._qk_norm_rope_store_kernel,
+     dict(qkv_ptr=BF16, qn_ptr=BF16, kn_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, slots_ptr=I64, q_ptr=BF16,
+          kc_ptr=BF16, vc_ptr=BF16, eps="fp32"),
+     dict(HAS_QN=True, HAS_KN=True, D=128, D_P2=128, R=128, SOFT_RNE=False), dict(num_warps=1,
+                                                                                 enable_fp_fusion=False)),
+    ("gated delta recurrence, 27B shape", gated_delta._gated_delta_kernel,
+     dict(mixed=BF16, a_ptr=BF16, b_ptr=BF16, A_log=F32, dt_bias=F32, state=F32, state_out=F32, out=BF16,
+          paths=I32, lengths=I32, starts=I32, scale="fp32"),
+     dict(KH=16, HV=48, DK=128, DV=128, DKP=128, BV=gated_delta.TILE_COLUMNS),
+     dict(num_warps=gated_delta.WARPS, enable_fp_fusion=gated_delta.FP_FUSION)),
+]
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("name,kernel,types,constexprs,options", CASES, ids=[c[0] for c in CASES])
+def test_kernel_compiles_for_the_h200(name, kernel, types, constexprs, options):
+    names = list(inspect.signature(kernel.fn).parameters)
+    assert set(types) | set(constexprs) <= set(names), f"{name}: unknown arguments"
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    compiled = triton.compile(compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=H200, options=options)
+    assert compiled.asm.get("cubin"), f"{name}: no cubin"
