@@ -65,10 +65,13 @@ class RecurrentLayerCache:
 
 class ModelCache:
     """The caches of all layers of one model plus the committed length they share. recurrent: the shape of the state
-    of the layers whose indices are in recurrent_layers (Gated DeltaNet); the other layers are attention layers."""
+    of the layers whose indices are in recurrent_layers (Gated DeltaNet); the other layers are attention layers.
+    own_lengths: the batch rows are separate sequences, each with its own committed length (`start` [batch]; batched
+    decoding), rather than rows that advance together (`start` 0-d)."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device, batch: int = 1,
-                 recurrent_layers: tuple[int, ...] = (), recurrent: RecurrentShape | None = None):
+                 recurrent_layers: tuple[int, ...] = (), recurrent: RecurrentShape | None = None,
+                 own_lengths: bool = False):
         n_attention = num_layers - len(recurrent_layers)
         shape = (n_attention, batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -82,7 +85,8 @@ class ModelCache:
                 self.layers.append(AttentionLayerCache(self.k[a], self.v[a]))
         self.recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentLayerCache)]
         self.capacity = capacity
-        self.start = torch.zeros((), dtype=torch.long, device=device)  # committed rows, on the device
+        # committed rows, on the device: one for all rows, or one per sequence
+        self.start = torch.zeros((batch,) if own_lengths else (), dtype=torch.long, device=device)
 
     def reset(self) -> None:
         self.start.zero_()
@@ -91,8 +95,8 @@ class ModelCache:
 
     def keep(self, path: torch.Tensor, accepted: torch.Tensor) -> None:
         """Keep the accepted path of the last forward's rows (path: row indices, root first, `accepted` of them
-        real): attention rows move to slots start.., recurrent states become the last accepted row's. The caller
-        advances `start`."""
+        real; per sequence [B, P] and [B] when rows have their own lengths): attention rows move to slots start..,
+        recurrent states become the last accepted row's. The caller advances `start`."""
         if self.k.shape[0]:
             compact_kv(self.k, self.v, self.start, path, accepted)
         if self.recurrent:

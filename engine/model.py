@@ -20,6 +20,7 @@ from kernels.tree_attention import tree_attention, visible_rows
 
 from .cache import AttentionLayerCache, ModelCache
 from .config import ModelConfig, rope_inv_freq
+from .errors import EngineError
 
 
 @functools.cache
@@ -64,8 +65,8 @@ class Rows:
     """The new rows of a forward pass: their rotary tables and cache slots, and what each of them sees."""
     cos: torch.Tensor                 # [B, T, rotary dims] at the rows' positions
     sin: torch.Tensor
-    slots: torch.Tensor               # [T]: start .. start + T - 1
-    start: torch.Tensor               # 0-d: the committed length
+    slots: torch.Tensor               # [T] (or [B, T]: sequences with their own lengths): start .. start + T - 1
+    start: torch.Tensor               # 0-d: the committed length (or [B]: one per sequence)
     node_mask: torch.Tensor | None    # [T, T]: the new rows each row sees; None: whole sequences from slot 0
     schedule: TreeSchedule | None     # hybrids: how Gated DeltaNet layers visit the rows (a chain or a tree)
     visible: torch.Tensor | None = None  # [T, T]: the new rows each row sees, listed (the attention kernel's form)
@@ -236,13 +237,18 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def new_cache(self, capacity: int, batch: int = 1) -> ModelCache:
+    def new_cache(self, capacity: int, batch: int = 1, own_lengths: bool = False) -> ModelCache:
+        """A cache of `capacity` slots for `batch` rows; own_lengths: each row a separate sequence with its own
+        committed length (batched decoding)."""
         c = self.cfg
         recurrent = tuple(i for i in range(c.num_layers) if c.layer_type(i) == "linear_attention")
+        if recurrent and own_lengths:
+            raise EngineError("sequences with their own lengths in one batch are not supported on hybrid (Gated "
+                              "DeltaNet) targets yet")
         # from the layer, not the config: under tensor parallelism it holds only this rank's heads and channels
         shape = self.layers[recurrent[0]].linear_attn.state_shape() if recurrent else None
         return ModelCache(c.num_layers, self.num_kv_heads, c.head_dim, capacity, self.dtype, self.device, batch,
-                          recurrent_layers=recurrent, recurrent=shape)
+                          recurrent_layers=recurrent, recurrent=shape, own_lengths=own_lengths)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings; vocabulary-parallel under tensor parallelism (the owning rank's row, all-reduced)."""
@@ -259,7 +265,7 @@ class Transformer(nn.Module):
         """Run T new tokens after the cache's committed prefix.
 
         tokens, positions [B, T]; node_mask [T, T] bool: the new rows each new row sees (every new row sees the
-        whole committed prefix); schedule: what Gated DeltaNet layers follow instead of the mask (a tree's,
+        whole committed prefix), or [B, T, T] when each sequence has its own tree (a cache with own lengths); schedule: what Gated DeltaNet layers follow instead of the mask (a tree's,
         kernels.gated_delta.tree_schedule; None: a chain). Writes the new rows at slots
         start..start+T-1 (keeping them is the caller's business: cache.keep). Returns the final-normed hidden states
         [B, T, hidden] and the concatenated outputs of the `capture` layers [B, T, len(capture) * hidden] (None when
@@ -272,7 +278,8 @@ class Transformer(nn.Module):
         if self.cfg.hybrid and schedule is None:
             schedule = chain_schedule(T, self.cfg.linear_conv_kernel, tokens.device)
         visible = visible_rows(node_mask) if node_mask is not None and tokens.is_cuda else None  # once, all layers
-        rows = Rows(cos, sin, start + torch.arange(T, device=tokens.device), start, node_mask, schedule, visible)
+        slots = start.unsqueeze(-1) + torch.arange(T, device=tokens.device)  # [T], or [B, T] with own lengths
+        rows = Rows(cos, sin, slots, start, node_mask, schedule, visible)
         captured = {}
         pending, residual = x, None  # the embeddings enter as the first pending output
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):

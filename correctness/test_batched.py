@@ -1,0 +1,92 @@
+"""Batched decoding's foundation (issue 31): one target forward over sequences that each have their own committed
+length and their own draft tree equals, sequence by sequence, the same work run alone; the cache keeps each
+sequence's own accepted path. CPU, float32 (the kernels' batched forms are checked against their references in
+test_kernel_*.py, under the Triton interpreter)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+from engine.errors import EngineError
+
+
+def random_tree_mask(T: int, gen: torch.Generator) -> tuple[torch.Tensor, list[int]]:
+    """A random tree over T rows (row 0 the root): its ancestor-or-self mask and its parents."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]
+    mask = torch.eye(T, dtype=torch.bool)
+    for i in range(1, T):
+        mask[i] |= mask[parents[i]]
+    return mask, parents
+
+
+def depths(mask: torch.Tensor) -> torch.Tensor:
+    return mask.long().sum(-1) - 1
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.cpu
+def test_sequences_with_their_own_lengths_and_trees_equal_each_run_alone(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    model = engine.load_target(str(path), "cpu", torch.float32).model
+    gen = torch.Generator().manual_seed(31)
+    lengths, T, cap = [5, 11, 8], 6, 64
+    B, L = len(lengths), max(lengths)
+    prompts = torch.randint(3, model.cfg.vocab_size, (B, L), generator=gen)
+    trees = [random_tree_mask(T, gen) for _ in range(B)]
+    tree_ids = torch.randint(3, model.cfg.vocab_size, (B, T), generator=gen)
+    # each sequence's accepted path, root first: to node 1, to its deepest node, the root alone
+    kept = [path_to(trees[0][1], 1), path_to(trees[1][1], int(depths(trees[1][0]).argmax())), [0]]
+    nxt = torch.randint(3, model.cfg.vocab_size, (B, 1), generator=gen)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+
+    def run(cache, tokens, positions, mask):
+        hidden, _ = model(tokens, positions, cache, mask)
+        return model.logits(hidden)
+
+    # alone: each sequence in its own batch-1 cache
+    alone = []
+    for b, n in enumerate(lengths):
+        cache = model.new_cache(cap)
+        pre = run(cache, prompts[b:b + 1, :n], torch.arange(n)[None], causal[:n, :n])
+        cache.start.fill_(n)
+        mask = trees[b][0]
+        tree = run(cache, tree_ids[b:b + 1], (n + depths(mask))[None], mask)
+        p = torch.tensor(kept[b] + [0] * (T - len(kept[b])))
+        cache.keep(p, torch.tensor(len(kept[b])))
+        cache.start.add_(len(kept[b]))
+        step = run(cache, nxt[b:b + 1], cache.start.view(1, 1), torch.ones(1, 1, dtype=torch.bool))
+        alone.append((pre[0], tree[0], step[0]))
+
+    # batched: one cache, each row its own committed length; prompts padded to the longest (padding rows sit past a
+    # sequence's length and are never committed)
+    cache = model.new_cache(cap, batch=B, own_lengths=True)
+    assert tuple(cache.start.shape) == (B,)
+    pre = run(cache, prompts, torch.arange(L).expand(B, L), causal)
+    cache.start.copy_(torch.tensor(lengths))
+    masks = torch.stack([t[0] for t in trees])
+    tree = run(cache, tree_ids, cache.start[:, None] + depths(masks), masks)
+    paths = torch.tensor([k + [0] * (T - len(k)) for k in kept])
+    accepted = torch.tensor([len(k) for k in kept])
+    cache.keep(paths, accepted)
+    cache.start.add_(accepted)
+    step = run(cache, nxt, cache.start[:, None], torch.ones(1, 1, dtype=torch.bool))
+
+    for b, n in enumerate(lengths):
+        want_pre, want_tree, want_step = alone[b]
+        torch.testing.assert_close(pre[b, :n], want_pre, rtol=1e-5, atol=1e-5, msg=f"sequence {b}: prompt")
+        torch.testing.assert_close(tree[b], want_tree, rtol=1e-5, atol=1e-5, msg=f"sequence {b}: tree")
+        torch.testing.assert_close(step[b], want_step, rtol=1e-5, atol=1e-5, msg=f"sequence {b}: after its path")
+
+
+@pytest.mark.cpu
+def test_hybrid_targets_refuse_sequences_with_their_own_lengths():
+    target = engine.load_target("synthetic:hybrid-tiny", "cpu", torch.float32)
+    with pytest.raises(EngineError, match="not supported on hybrid"):
+        target.model.new_cache(32, batch=2, own_lengths=True)
