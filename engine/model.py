@@ -69,7 +69,7 @@ class Rows:
     start: torch.Tensor               # 0-d: the committed length (or [B]: one per sequence)
     node_mask: torch.Tensor | None    # [T, T]: the new rows each row sees; None: whole sequences from slot 0
     schedule: TreeSchedule | None     # hybrids: how Gated DeltaNet layers visit the rows (a chain or a tree)
-    visible: torch.Tensor | None = None  # [T, T]: the new rows each row sees, listed (the attention kernel's form)
+    visible: torch.Tensor | None = None  # node_mask as lists of the rows each row sees (tree attention on a GPU)
 
 
 class Attention(nn.Module):
