@@ -118,24 +118,18 @@ def _attention(gen, bf16) -> list[tuple[str, object, object]]:
     from kernels.tree_attention import tree_attention_reference, tree_attention_triton
 
     cases = []
-    for T in (1, 16, 65):
-        q = torch.randn(1, 32, T, 128, generator=gen, device="cuda").to(bf16)
-        kc = torch.randn(1, 8, 4096, 128, generator=gen, device="cuda").to(bf16)
+    # Qwen3-8B's attention deep in a long answer; Qwen3.6-27B's gated attention at the perf suite's context length
+    for H, KVH, D, cap, at, rows in ((32, 8, 128, 4096, 2000, (1, 16, 65)), (24, 4, 256, 1024, 400, (1, 65))):
+        kc = torch.randn(1, KVH, cap, D, generator=gen, device="cuda").to(bf16)
         vc = torch.randn_like(kc)
-        mask = torch.ones(T, T, dtype=torch.bool, device="cuda").tril()
-        start = torch.tensor(2000, device="cuda")
-        cases.append((f"tree_attention H=32 KVH=8 D=128 T={T} start=2000",
-                      lambda q=q, kc=kc, vc=vc, mask=mask: tree_attention_triton(q, kc, vc, start, mask),
-                      lambda q=q, kc=kc, vc=vc, mask=mask: tree_attention_reference(q, kc, vc, 2000, mask)))
-    for T in (1, 65):  # Qwen3.6-27B's gated attention layers at the perf suite's context length
-        q = torch.randn(1, 24, T, 256, generator=gen, device="cuda").to(bf16)
-        kc = torch.randn(1, 4, 1024, 256, generator=gen, device="cuda").to(bf16)
-        vc = torch.randn_like(kc)
-        mask = torch.ones(T, T, dtype=torch.bool, device="cuda").tril()
-        start = torch.tensor(400, device="cuda")
-        cases.append((f"tree_attention H=24 KVH=4 D=256 T={T} start=400",
-                      lambda q=q, kc=kc, vc=vc, mask=mask: tree_attention_triton(q, kc, vc, start, mask),
-                      lambda q=q, kc=kc, vc=vc, mask=mask: tree_attention_reference(q, kc, vc, 400, mask)))
+        start = torch.tensor(at, device="cuda")
+        for T in rows:
+            q = torch.randn(1, H, T, D, generator=gen, device="cuda").to(bf16)
+            mask = torch.ones(T, T, dtype=torch.bool, device="cuda").tril()
+            cases.append((f"tree_attention H={H} KVH={KVH} D={D} T={T} start={at}",
+                          lambda q=q, kc=kc, vc=vc, mask=mask, start=start: tree_attention_triton(q, kc, vc, start,
+                                                                                                 mask),
+                          lambda q=q, kc=kc, vc=vc, mask=mask, at=at: tree_attention_reference(q, kc, vc, at, mask)))
     return cases
 
 
