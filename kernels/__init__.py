@@ -29,3 +29,13 @@ def triton_disabled() -> bool:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): Triton block sizes."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+def row_values(value, rows: int, name: str = "start") -> list[int]:
+    """A per-sequence argument of a reference, on the host: an int or a 1-element tensor (every row the same), or
+    one value per batch row (batched decoding: rows that are separate sequences)."""
+    if hasattr(value, "numel") and value.numel() > 1:
+        if value.numel() != rows:
+            raise ValueError(f"{name} has {value.numel()} values for a batch of {rows}")
+        return [int(x) for x in value.reshape(-1).tolist()]
+    return [int(value)] * rows

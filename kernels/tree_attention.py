@@ -53,7 +53,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import next_pow2, tl, triton, triton_disabled
+from kernels import next_pow2, row_values, tl, triton, triton_disabled
 
 BLOCK_N = 64        # keys per inner-loop block
 SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)
@@ -73,16 +73,6 @@ def _check_shapes(q, k_cache, v_cache, node_mask):
         raise ValueError(f"node_mask must be [{T}, {T}] or [{B}, {T}, {T}], got {tuple(node_mask.shape)}")
 
 
-def _row_starts(start, B: int) -> list[int]:
-    """The committed length of each batch row, on the host (the reference's view): an int, a 1-element tensor for
-    every row, or one value per row."""
-    if isinstance(start, torch.Tensor) and start.numel() > 1:
-        if start.numel() != B:
-            raise ValueError(f"start has {start.numel()} values for a batch of {B}")
-        return [int(x) for x in start.reshape(-1).tolist()]
-    return [int(start)] * B
-
-
 def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start,
                              node_mask: torch.Tensor) -> torch.Tensor:
     """Plain PyTorch tree attention (reads `start` on the host). Computes in float32 (float64 for float64 inputs).
@@ -90,7 +80,7 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     [B, T, T]."""
     _check_shapes(q, k_cache, v_cache, node_mask)
     B = q.shape[0]
-    starts = _row_starts(start, B)
+    starts = row_values(start, B)
     if node_mask.dim() == 3 or len(set(starts)) > 1:  # rows differ: one row at a time
         masks = node_mask if node_mask.dim() == 3 else node_mask.expand(B, *node_mask.shape)
         return torch.cat([tree_attention_reference(q[b:b + 1], k_cache[b:b + 1], v_cache[b:b + 1], starts[b], masks[b])

@@ -60,7 +60,7 @@ import heapq
 import numpy as np
 import torch
 
-from kernels import tl, triton, triton_disabled
+from kernels import row_values, tl, triton, triton_disabled
 
 __all__ = [
     "build_tree", "build_tree_reference", "build_tree_triton",
@@ -197,23 +197,18 @@ def walk_tree_reference(posterior: torch.Tensor, tokens: torch.Tensor, parents: 
     return _deliver(result, out, _walk_specs(max_depth), dev)
 
 
-def _per_row(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.dim() > 0 and x.numel() > 1
-
-
 def compact_kv_reference(k: torch.Tensor, v: torch.Tensor, start, path: torch.Tensor, accepted) -> None:
     """Rows start+path[i] -> start+i for i < accepted, in every layer/batch/head of k and v (gather, then write:
     the same as copying in order, since no source row is overwritten before it is read). Batch rows that are separate
     sequences have their own start [B], path [B, P] and accepted [B]."""
     B = k.shape[1]
-    if path.dim() == 2 or _per_row(start) or _per_row(accepted):
-        starts, accs = (x.reshape(-1).expand(B) if isinstance(x, torch.Tensor) else torch.tensor([x] * B)
-                        for x in (start, accepted))
+    starts, accs = row_values(start, B), row_values(accepted, B, "accepted")
+    if path.dim() == 2 or len(set(starts)) > 1 or len(set(accs)) > 1:  # sequences apart: one row at a time
         paths = path if path.dim() == 2 else path.expand(B, -1)
         for b in range(B):
             compact_kv_reference(k[:, b:b + 1], v[:, b:b + 1], starts[b], paths[b], accs[b])
         return
-    s, a = int(start), int(accepted)
+    s, a = starts[0], accs[0]
     src = path[:a].to(device=k.device, dtype=torch.long) + s
     for t in (k, v):
         t[:, :, :, s:s + a] = t.index_select(3, src)
