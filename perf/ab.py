@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 
 from engine.launch import visible_gpus
-from engine.workloads import GATED_LENGTHS, PREMERGE, lengths_for
+from engine.workloads import GATED_LENGTHS, in_premerge, lengths_for
 
 ROOT = Path(__file__).resolve().parents[1]
 GATE_TEST = "test_against_base"  # perf/test_baseline.py
@@ -302,8 +302,7 @@ class BaselineGate:
             return True
         p = item.callspec.params
         user = p["pair"].startswith("user:")  # --target/--draft: the pair asked for is measured
-        return ((user or p["pair"] in PREMERGE["pairs"]) and p["workload"] in PREMERGE["workloads"]
-                and p["method"] in PREMERGE["methods"])
+        return in_premerge("default" if user else p["pair"], p["workload"], p["method"])
 
     # measuring
 

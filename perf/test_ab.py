@@ -95,10 +95,10 @@ def test_selection_and_usage_errors():
     """--baseline keeps only the gate's tests, the pre-merge selection (those of its pairs this machine has);
     without it they are deselected; a revision that is not a commit is one usage error."""
     gate = collect("--baseline", "HEAD").stdout
-    here = [p for p in PREMERGE["pairs"] if p in pairs(bool(visible_gpus()))]
+    here = [p for p in PREMERGE if p in pairs(bool(visible_gpus()))]
     assert sorted(line for line in gate.splitlines() if "::" in line) == sorted(
         f"perf/test_baseline.py::test_against_base[{p}-tp1-{w}-{m}]"
-        for p in here for w in PREMERGE["workloads"] for m in PREMERGE["methods"])
+        for p in here for w in PREMERGE[p][0] for m in PREMERGE[p][1])
     assert "test_against_base" not in collect("-k", "hybrid-tiny").stdout
     bad = collect("--baseline", "no-such-revision")
     assert bad.returncode == 4 and "--baseline no-such-revision: not a commit" in bad.stderr
@@ -160,3 +160,36 @@ def test_a_a_passes_and_planted_slowdown_fails(snapshot, tmp_path):
     assert "head slower" in out["planted"] and "SLOWER" in out["planted"]
     (c,) = json.loads((tmp_path / "planted.json").read_text())["comparisons"]
     assert c["verdict"] == "SLOWER" and c["high"] < 0.8 and c["head_tau"] == c["base_tau"]
+
+
+def test_gate_power_rotates_arms_and_judges_each_against_the_base(monkeypatch):
+    """perf.gate_power: in a run every arm runs once a round per pair, in an order that rotates, and each arm is
+    judged against the base with the gate's verdict: an A/A arm passes, a planted 10% arm fails "head slower"."""
+    from perf import gate_power
+    from perf.ab import Side
+
+    rng, order = random.Random(3), []
+    speed = {"base": 100.0, "head": 100.0, "plant 0.1": 100.0 / 1.1}
+
+    def bench(self, args, tp):
+        order.append(self.name)
+        workloads = args[args.index("--workloads") + 1].split(",")
+        methods = args[args.index("--methods") + 1].split(",")
+        return {"runs": [dict(workload=w, length="short", method=m, tau=2.5, lossless=True, exactness="identical",
+                              tok_s_median=speed[self.name] * (1 + rng.gauss(0, 0.002)))
+                         for w in workloads for m in dict.fromkeys(["ar", *methods])]}
+
+    monkeypatch.setattr(Side, "bench", bench)
+    sides = gate_power.arms("unused", [0.1])
+    spec = pairs(False)["default"]
+    processes = []
+    records = gate_power.run_once(sides, {"default": (spec, ("fib",), ("dflash", "ddtree-15"))}, {"short": 32}, 5,
+                                  processes, lambda line: None)
+    assert order == ["base", "head", "plant 0.1", "head", "plant 0.1", "base", "plant 0.1", "base", "head",
+                     "base", "head", "plant 0.1", "head", "plant 0.1", "base"]
+    assert len(processes) == 15 and set(records) == {("default", "fib", "short", m) for m in ("dflash", "ddtree-15")}
+    verdicts = {(v["arm"], v["method"]): v for v in gate_power.verdicts(records, 0.03)}
+    assert all(len(r["base"]) == 5 for r in records.values())  # the AR references of a ddtree-only run are dropped
+    for m in ("dflash", "ddtree-15"):
+        assert verdicts[("head", m)]["verdict"] == "ok"
+        assert verdicts[("plant 0.1", m)]["verdict"] == "SLOWER" and 0.89 < verdicts[("plant 0.1", m)]["ratio"] < 0.93
