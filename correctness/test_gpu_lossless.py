@@ -17,7 +17,7 @@ CASES = [("dflash", 0), ("ddtree", 15), ("ddtree", 32), ("ddtree", 64)]
 
 def check_pair(target, prompts, new_tokens):
     stop = target.stop_ids
-    reference = engine.Decoder(target.model)
+    reference = engine.Decoder(target.model, cuda_graphs=False)
     graphed_ar = engine.Decoder(target.model)
     drafter = engine.load_drafter("default", target)
     compared = total = 0
@@ -26,6 +26,9 @@ def check_pair(target, prompts, new_tokens):
         # graphed AR: the same kernels replayed from CUDA graphs
         for _ in range(2):
             assert graphed_ar.generate(prompt, new_tokens, stop).tokens == ref.tokens
+        # the bench's reference: graphed, with margins read after each round; the same tokens and margins
+        graphed_ref = graphed_ar.generate(prompt, new_tokens, stop, record_margins=True)
+        assert graphed_ref.tokens == ref.tokens and graphed_ref.margins == ref.margins
         oracle = engine.OracleDrafter(prompt + ref.tokens, target.model.cfg.vocab_size, drafter.block_size,
                                       device="cuda", cost=drafter, max_length=len(prompt) + new_tokens)
         for method, budget in CASES:

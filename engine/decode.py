@@ -332,7 +332,7 @@ class Decoder:
             # this one captured its graphs: graphs over the old buffers would read freed memory.
             if getattr(self.drafter, "cache", None) is not self.graphed_drafter_cache:
                 self.graphs = None
-        use_graphs = self.cuda_graphs and not record_margins
+        use_graphs = self.cuda_graphs  # with margins too: the host reads each round's logits before the next launch
         timer = StageTimer(dev)
         margins: list[float] = []
 
@@ -361,7 +361,7 @@ class Decoder:
         # while the next round already runs: once the graphs exist, one round is in flight ahead of the host, so
         # the GPU does not wait for Python between rounds. Every round commits at least one token, so no round is
         # launched that the length limit makes useless; one past a stop token is simply not read.
-        run_ahead = self.run_ahead and not record_margins
+        run_ahead = self.run_ahead and not record_margins  # margins read this round's logits buffer
         launched, pending = 0, []
         done = len(out) >= max_new_tokens or out[-1] in stop
         plant = planted_slowdown(dev)  # ENGINE_PLANT_SLOWDOWN: the perf gate's calibrated test regression
