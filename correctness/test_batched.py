@@ -90,3 +90,50 @@ def test_hybrid_targets_refuse_sequences_with_their_own_lengths():
     target = engine.load_target("synthetic:hybrid-tiny", "cpu", torch.float32)
     with pytest.raises(EngineError, match="not supported on hybrid"):
         target.model.new_cache(32, batch=2, own_lengths=True)
+
+
+@pytest.mark.cpu
+def test_draft_over_sequences_with_their_own_context_equals_each_alone(tiny_checkpoints):
+    """The DFlash drafter over B sequences, each with its own context length, bonus token and number of new context
+    rows per call (padding past it differing by sequence), proposes for each what it proposes for that sequence
+    alone; also through a sliding-window layer."""
+    from engine.draft import DraftInput
+
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    drafter = engine.load_drafter("random:2", target, 4, seed=5)
+    drafter.windows = (5, None)  # the first layer a sliding window narrower than the context
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in drafter.draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    F = len(drafter.feature_layers) * target.model.cfg.hidden_size
+    new = [[9, 2, 1], [4, 3, 3], [12, 1, 4]]  # per sequence: context rows committed before each call
+    B, cap = len(new), 64
+    features = torch.randn(B, 30, F, generator=gen)
+    tokens = torch.randint(0, target.model.cfg.vocab_size, (B, 40), generator=gen)
+
+    alone = []
+    for b in range(B):
+        drafter.start(new[b][0], cap)
+        seen, out = 0, []
+        for n in new[b]:
+            padded = torch.cat((features[b:b + 1, seen:seen + n], torch.randn(1, 2, F, generator=gen)), dim=1)
+            out.append(drafter.propose(DraftInput(tokens[b:b + 1], torch.tensor(seen + n), padded, torch.tensor(n))))
+            seen += n
+        alone.append(out)
+
+    drafter.start(0, cap, sequences=B)
+    seen = [0] * B
+    for call in range(3):
+        counts = [new[b][call] for b in range(B)]
+        width = max(counts) + 1
+        padded = torch.randn(B, width, F, generator=gen)
+        for b, n in enumerate(counts):
+            padded[b, :n] = features[b, seen[b]:seen[b] + n]
+        got = drafter.propose(DraftInput(tokens, torch.tensor([s + n for s, n in zip(seen, counts)]), padded,
+                                         torch.tensor(counts)))
+        assert got.shape == (B, drafter.block_size - 1, target.model.cfg.vocab_size)
+        for b in range(B):
+            torch.testing.assert_close(got[b], alone[b][call], rtol=1e-5, atol=1e-5)
+        seen = [s + n for s, n in zip(seen, counts)]

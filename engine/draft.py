@@ -34,11 +34,14 @@ class DraftInput:
     starts from (not yet in the target's cache). features[0, :n_features] are the target's context features
     (outputs of `feature_layers`) of the tokens committed since the previous call; rows past n_features are
     padding.
+
+    Several sequences (batched decoding): row b of tokens and features is sequence b, and length and n_features
+    hold one value per sequence ([B]); the proposal is then [B, block_size - 1, vocab].
     """
-    tokens: torch.Tensor            # [1, capacity] long
-    length: torch.Tensor            # 0-d long
-    features: torch.Tensor | None   # [1, n, F]
-    n_features: torch.Tensor        # 0-d long, <= n
+    tokens: torch.Tensor            # [B, capacity] long
+    length: torch.Tensor            # 0-d long (one sequence), or [B]
+    features: torch.Tensor | None   # [B, n, F]
+    n_features: torch.Tensor        # like length, each <= n
 
 
 class Drafter(ABC):
@@ -54,7 +57,8 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, inp: DraftInput) -> torch.Tensor:
-        """Return draft logits [block_size - 1, vocab] for the positions after the bonus token."""
+        """Return draft logits [block_size - 1, vocab] for the positions after the bonus token ([B, block_size - 1,
+        vocab] for several sequences)."""
 
 
 @dataclass(frozen=True)
@@ -118,27 +122,33 @@ class DFlashDrafter(Drafter):
         self.block_visible = torch.ones(self.block_size, self.block_size, dtype=torch.bool, device=dev)
         self.mask_ids = torch.full((max(self.block_size - 1, 0),), self.mask_token_id, dtype=torch.long, device=dev)
 
-    def start(self, prompt_len: int, capacity: int) -> None:
-        if self.cache is None or self.cache.capacity < capacity:
+    def start(self, prompt_len: int, capacity: int, sequences: int | None = None) -> None:
+        """sequences=None: one sequence; B: B sequences, each with its own context length (batched decoding)."""
+        batch, own = (1, False) if sequences is None else (sequences, True)
+        c = self.cache
+        if c is None or c.capacity < capacity or c.k.shape[1] != batch or (c.start.dim() == 1) != own:
             cfg = self.draft.dcfg.layers
             self.cache = ModelCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.target.dtype,
-                                    self.target.device)
+                                    self.target.device, batch, own_lengths=own)
         self.cache.reset()
 
     @torch.no_grad()
     def propose(self, inp: DraftInput) -> torch.Tensor:
         cache, block, dev = self.cache, self.block_size, self.target.device
-        ctx = self.draft.hidden_norm(self.draft.fc(inp.features))[0]         # [1, n, hidden]
-        n = ctx.shape[1]
+        ctx = self.draft.hidden_norm(self.draft.fc(inp.features))[0]         # [B, n, hidden]
+        B, n = ctx.shape[:2]
         # Context rows go to slots start..start+n-1 (padding rows past n_features included); the block follows the
-        # real context and overwrites the padding. Slot = absolute position: the context is contiguous.
-        ctx_pos = cache.start + torch.arange(n, device=dev)
+        # real context and overwrites the padding. Slot = absolute position: the context is contiguous. With several
+        # sequences, start, n_features and length hold one value each, and positions and slots are per sequence.
+        start = cache.start.unsqueeze(-1)                                     # [1] or [B, 1]
+        ctx_pos = start + torch.arange(n, device=dev)                         # [n] or [B, n]
         block_start = cache.start + inp.n_features
-        block_pos = block_start + self.block_offsets[:block]
-        bonus = inp.tokens[0].index_select(0, inp.length.view(1))
-        x = self.target.embed(torch.cat((bonus, self.mask_ids))[None])
-        cos_c, sin_c = self.rotary(ctx_pos[None], x.dtype)
-        cos_b, sin_b = self.rotary(block_pos[None], x.dtype)
+        block_pos = block_start.unsqueeze(-1) + self.block_offsets[:block]    # [block] or [B, block]
+        bonus = inp.tokens.gather(1, inp.length.view(-1, 1).expand(B, 1))     # [B, 1]
+        x = self.target.embed(torch.cat((bonus, self.mask_ids.expand(B, -1)), dim=1))
+        positions = lambda pos: pos if pos.dim() == 2 else pos.expand(B, -1)  # noqa: E731
+        cos_c, sin_c = self.rotary(positions(ctx_pos), x.dtype)
+        cos_b, sin_b = self.rotary(positions(block_pos), x.dtype)
         for layer, layer_cache, window in zip(self.draft.layers, cache.layers, self.windows):
             attn = layer.self_attn
             h = layer.input_layernorm(x)[0]
@@ -147,19 +157,23 @@ class DFlashDrafter(Drafter):
             if window is None:
                 o = tree_attention(q, layer_cache.k, layer_cache.v, block_start, self.block_visible)
             else:
-                o = _windowed_attention(q, layer_cache, block_start, block_pos, window)
+                o = _windowed_attention(q, layer_cache, block_pos, window)
             x = x + attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x)[0])
         cache.start.add_(inp.n_features)  # keep the context rows, drop the block's
-        return self.target.logits(self.draft.norm(x[0, 1:])[0])
+        logits = self.target.logits(self.draft.norm(x[:, 1:])[0])
+        return logits if inp.length.dim() else logits[0]
 
 
-def _windowed_attention(q, layer_cache, block_start, block_pos, window: int) -> torch.Tensor:
+def _windowed_attention(q, layer_cache, block_pos, window: int) -> torch.Tensor:
     """A sliding-window draft layer: a block query at position p sees keys at positions in (p - window,
-    block_start + block size). Masked attention over the whole cache, computed without host reads."""
+    block_start + block size). Masked attention over the whole cache, computed without host reads. block_pos:
+    [block], or [B, block] for sequences with their own lengths."""
     keys = torch.arange(layer_cache.k.shape[2], device=q.device)
-    end = block_pos[-1] + 1
-    mask = (keys[None, :] < end) & (keys[None, :] > block_pos[:, None] - window)
+    end = block_pos[..., -1:] + 1
+    mask = (keys < end.unsqueeze(-1)) & (keys > block_pos.unsqueeze(-1) - window)  # [block, K] or [B, block, K]
+    if mask.dim() == 3:
+        mask = mask.unsqueeze(1)  # one mask per sequence, shared by its heads
     o = F.scaled_dot_product_attention(q.float(), layer_cache.k.float(), layer_cache.v.float(), attn_mask=mask,
                                        enable_gqa=q.shape[1] != layer_cache.k.shape[1])
     return o.to(q.dtype)
