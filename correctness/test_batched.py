@@ -137,3 +137,41 @@ def test_draft_over_sequences_with_their_own_context_equals_each_alone(tiny_chec
         for b in range(B):
             torch.testing.assert_close(got[b], alone[b][call], rtol=1e-5, atol=1e-5)
         seen = [s + n for s, n in zip(seen, counts)]
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 4), ("ddtree", 15)])
+def test_batched_decoding_gives_every_request_its_batch1_ar_output(tiny_checkpoints, method, budget):
+    """BatchDecoder: 7 prompts of different lengths in 3 rows (rows refilled from the queue, then moved together as
+    the queue empties), a stop token that ends some requests early, and an oracle drafter whose miss rate differs
+    by request (0 to 0.9, so rows accept very differently): every request's tokens equal its batch-1 AR output
+    (the float32 exactness rule), in the order given."""
+    from engine.batch import BatchDecoder
+    from engine.exactness import compare_tokens, tolerance_for
+
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    vocab = target.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (3, 17, 8, 30, 11, 1, 22)]
+    new_tokens = 24
+    refs = [engine.Decoder(target.model).generate(p, new_tokens, record_margins=True) for p in prompts]
+    stop = {refs[1].tokens[6], refs[4].tokens[3]}  # requests 1 and 4 (at least) stop early
+    cut = [next((i + 1 for i, t in enumerate(r.tokens) if t in stop), new_tokens) for r in refs]
+    drafter = None
+    if method != "ar":
+        draft = engine.load_drafter("random:1", target, 5, seed=2)
+        drafter = engine.OracleDrafter([0], vocab, draft.block_size, device="cpu", cost=draft,
+                                       max_length=64)
+        for i, (p, r) in enumerate(zip(prompts, refs)):
+            drafter.add_reference(p, r.tokens, miss_rate=[0.0, 0.3, 0.9][i % 3])
+    decoder = BatchDecoder(target.model, drafter, engine.DecodeSettings(method, budget), rows=3)
+    results = decoder.generate(prompts, new_tokens, stop)
+    for i, (res, ref) in enumerate(zip(results, refs)):
+        want = ref.tokens[:cut[i]]
+        verdict = compare_tokens(want, ref.margins, res.tokens, tolerance_for(torch.float32))
+        assert verdict.ok and len(res.tokens) == len(want), f"request {i}: {verdict.describe()}"
+    assert min(cut) < new_tokens
+    if method != "ar":
+        taus = [r.tau for r in results]
+        assert max(taus) > 2.5 and min(taus) < 1.6, taus  # rows accepted very differently

@@ -93,6 +93,25 @@ class ModelCache:
         for layer in self.recurrent:  # a recurrence starts from zeros; stale keys and values are never read
             layer.reset()
 
+    def rows(self, first: int, count: int = 0) -> "ModelCache":
+        """A view of batch rows first .. first + count - 1 (count 0: every row from `first`) of a cache whose rows
+        have their own lengths: writes through it land in this cache (batched decoding runs a round over the rows in
+        use, and prefills one row alone)."""
+        if self.recurrent or self.start.dim() != 1:
+            raise ValueError("row views need an attention-only cache whose rows have their own lengths")
+        end = first + count if count else self.start.shape[0]
+        view = object.__new__(ModelCache)
+        view.k, view.v = self.k[:, first:end], self.v[:, first:end]
+        view.layers = [AttentionLayerCache(view.k[a], view.v[a]) for a in range(view.k.shape[0])]
+        view.recurrent, view.capacity, view.start = [], self.capacity, self.start[first:end]
+        return view
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Batch row src's sequence becomes row dst's (batched decoding keeps the rows in use first)."""
+        self.k[:, dst].copy_(self.k[:, src])
+        self.v[:, dst].copy_(self.v[:, src])
+        self.start[dst] = self.start[src]
+
     def keep(self, path: torch.Tensor, accepted: torch.Tensor) -> None:
         """Keep the accepted path of the last forward's rows (path: row indices, root first, `accepted` of them
         real; per sequence [B, P] and [B] when rows have their own lengths): attention rows move to slots start..,

@@ -60,6 +60,16 @@ class Drafter(ABC):
         """Return draft logits [block_size - 1, vocab] for the positions after the bonus token ([B, block_size - 1,
         vocab] for several sequences)."""
 
+    # Batched decoding (engine/batch.py) starts a drafter with `start(prompt_len, capacity, sequences=B)`, proposes
+    # for the first rows in use, and calls these between rounds:
+    def reset_sequence(self, row: int, prompt: list[int]) -> None:
+        """Row `row` starts a new sequence with this prompt (its context arrives with its next proposal)."""
+        raise NotImplementedError(f"{type(self).__name__} does not decode several sequences at once")
+
+    def move_sequence(self, src: int, dst: int) -> None:
+        """Row src's sequence becomes row dst's."""
+        raise NotImplementedError(f"{type(self).__name__} does not decode several sequences at once")
+
 
 @dataclass(frozen=True)
 class DraftConfig:
@@ -132,11 +142,18 @@ class DFlashDrafter(Drafter):
                                     self.target.device, batch, own_lengths=own)
         self.cache.reset()
 
+    def reset_sequence(self, row: int, prompt: list[int]) -> None:
+        self.cache.start[row] = 0
+
+    def move_sequence(self, src: int, dst: int) -> None:
+        self.cache.move_row(src, dst)
+
     @torch.no_grad()
     def propose(self, inp: DraftInput) -> torch.Tensor:
-        cache, block, dev = self.cache, self.block_size, self.target.device
+        block, dev = self.block_size, self.target.device
         ctx = self.draft.hidden_norm(self.draft.fc(inp.features))[0]         # [B, n, hidden]
         B, n = ctx.shape[:2]
+        cache = self.cache if inp.length.dim() == 0 or B == self.cache.start.shape[0] else self.cache.rows(0, B)
         # Context rows go to slots start..start+n-1 (padding rows past n_features included); the block follows the
         # real context and overwrites the padding. Slot = absolute position: the context is contiguous. With several
         # sequences, start, n_features and length hold one value each, and positions and slots are per sequence.

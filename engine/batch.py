@@ -1,0 +1,230 @@
+"""Batched greedy decoding (issue 31): many requests per round, each one lossless.
+
+`BatchDecoder` decodes a queue of prompts in up to `rows` batch rows. Each row is a separate sequence: its own
+committed length (a cache with own lengths: `start` [rows]), its own draft context, its own draft tree and its own
+acceptance. A round is the single-sequence round of engine/decode.py over the rows in use: draft, tree, verify,
+commit, then one host read of every row's accepted count and tokens.
+
+Continuous batching: a request that finishes (a stop token or its length) frees its row, which takes the next
+prompt from the queue; the prompt is prefilled alone into that row (a row view of the cache) and the row's next
+proposal reads the prompt's features. When the queue is empty, the last row in use moves into the freed row, so
+that a round runs over the first `in_use` rows only and finished requests stop costing work.
+
+Targets with Gated DeltaNet layers are refused (their per-sequence schedule does not exist yet). Rounds run
+eagerly (no CUDA graphs yet).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from kernels.topk import topk_logprobs
+from kernels.tree_ops import build_tree, walk_tree
+
+from .decode import Decoder, DecodeSettings, GenerationResult, RoundTree
+from .draft import DraftInput, Drafter
+from .errors import EngineError
+from .model import Transformer
+from .memory import available_bytes, gib
+from .timing import StageTimer, sync
+
+
+@dataclass
+class _Request:
+    index: int                  # the prompt's position in the caller's list
+    prompt: list[int]
+    out: list[int]
+    accepted: list[int]
+    prefill_s: float
+    started: float              # host clock at its first token
+
+
+class BatchDecoder:
+    """Greedy decoding of many prompts, `rows` at a time, with AR, DFlash or DDTree per row."""
+
+    def __init__(self, target: Transformer, drafter: Drafter | None = None, settings: DecodeSettings = DecodeSettings(),
+                 rows: int = 8):
+        if rows < 1:
+            raise EngineError(f"rows (concurrency) must be >= 1, got {rows}")
+        if target.cfg.hybrid:
+            raise EngineError("batched decoding of hybrid (Gated DeltaNet) targets is not supported yet")
+        # the single-sequence decoder's settings checks, sizes and memory estimate
+        self.one = Decoder(target, drafter, settings, cuda_graphs=False, run_ahead=False)
+        self.target, self.settings, self.rows = target, settings, rows
+        self.drafter, self.block, self.nodes = self.one.drafter, self.one.block_size, self.one.nodes
+        self.feature_layers = self.one.feature_layers
+
+    def check_fits(self, prompts: list[list[int]], max_new_tokens: int) -> int:
+        """Refuse what cannot run (empty or out-of-vocabulary prompts, the position limit, memory for the rows of
+        the longest request), before anything runs; the capacity per row."""
+        if not prompts:
+            raise EngineError("no prompts to decode")
+        for p in prompts:
+            self.one._check(p, max_new_tokens)
+        capacity = self.one._capacity(max(len(p) for p in prompts), max_new_tokens)
+        rows = min(self.rows, len(prompts))
+        need, free = sum(self.one.round_bytes(capacity).values()) * rows, available_bytes(self.target.device)
+        if free is not None and need > free:
+            raise EngineError(f"{rows} rows of {capacity} tokens need about {gib(need)}; {self.target.device} has "
+                              f"{gib(free)} available")
+        return capacity
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> list[GenerationResult]:
+        """Every prompt's greedy continuation, in the order given. stage_ms are per round of the whole batch."""
+        capacity = self.check_fits(prompts, max_new_tokens)
+        target, dev, block = self.target, self.target.device, self.block
+        rows = min(self.rows, len(prompts))
+        stop = set(stop_ids)
+        cache = target.new_cache(capacity, rows, own_lengths=True)
+        tokens = torch.zeros(rows, capacity + block + 1, dtype=torch.long, device=dev)
+        width = len(self.feature_layers) * target.cfg.hidden_size
+        features = torch.zeros(rows, block, width, dtype=target.dtype, device=dev) if self.feature_layers else None
+        n_features = torch.zeros(rows, dtype=torch.long, device=dev)
+        if self.drafter is not None:
+            self.drafter.start(0, capacity, sequences=rows)
+        prompt_features: dict[int, torch.Tensor] = {}  # row -> its prompt's features, read by its next proposal
+        queue = deque(enumerate(prompts))
+        live: list[_Request | None] = [None] * rows
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        timer = StageTimer(dev)
+        n_rounds = 0
+
+        def admit(row: int) -> None:
+            """The next prompt into `row`: prefill it alone, its first token, its draft context reset."""
+            index, prompt = queue.popleft()
+            t0 = time.perf_counter()
+            view = cache.rows(row, 1)
+            view.start.zero_()
+            n = len(prompt)
+            ids = torch.tensor(prompt, device=dev)
+            causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+            hidden, feats = target(ids[None], torch.arange(n, device=dev)[None], view, causal, self.feature_layers)
+            view.start.fill_(n)
+            bonus = target.logits(hidden[0, -1:]).argmax(-1)
+            tokens[row, :n] = ids
+            tokens[row, n] = bonus[0]
+            if self.drafter is not None:
+                self.drafter.reset_sequence(row, prompt)
+                prompt_features[row] = feats[0]
+            sync(dev)
+            now = time.perf_counter()
+            live[row] = _Request(index, prompt, [int(bonus)], [], now - t0, now)
+
+        def finish(row: int) -> None:
+            r = live[row]
+            decode_s = time.perf_counter() - r.started
+            results[r.index] = GenerationResult(r.out, r.accepted, {}, r.prefill_s, decode_s)
+            live[row] = None
+
+        def done(r: _Request) -> bool:
+            return len(r.out) >= max_new_tokens or r.out[-1] in stop
+
+        for row in range(rows):
+            admit(row)
+            if done(live[row]):
+                finish(row)
+        in_use = self._pack(live, rows, queue, admit, finish, done, cache, tokens, features, n_features,
+                            prompt_features)
+        while in_use:
+            accepted, new = self._round(in_use, cache, tokens, features, n_features, prompt_features, timer)
+            n_rounds += 1
+            for row in range(in_use):
+                r, a = live[row], int(accepted[row])
+                r.accepted.append(a)
+                for t in new[row, :a].tolist():  # up to the first stop token or the length limit
+                    r.out.append(t)
+                    if t in stop or len(r.out) == max_new_tokens:
+                        break
+                if done(r):
+                    finish(row)
+            in_use = self._pack(live, in_use, queue, admit, finish, done, cache, tokens, features, n_features,
+                                prompt_features)
+        stage_ms = {k: v / max(1, n_rounds) for k, v in timer.totals_ms().items()}
+        for r in results:
+            r.stage_ms = stage_ms
+        return results
+
+    def _pack(self, live, in_use, queue, admit, finish, done, cache, tokens, features, n_features, prompt_features):
+        """Refill free rows from the queue; with the queue empty, move the last rows in use into the free ones. The
+        number of rows in use."""
+        for row in range(in_use):
+            while live[row] is None and queue:
+                admit(row)
+                if done(live[row]):
+                    finish(row)
+        while in_use and live[in_use - 1] is None:
+            in_use -= 1
+        row = 0
+        while row < in_use:
+            if live[row] is None:  # the last row in use is live (trailing free rows were dropped)
+                last = in_use - 1
+                cache.move_row(last, row)
+                tokens[row].copy_(tokens[last])
+                n_features[row] = n_features[last]
+                if features is not None:
+                    features[row].copy_(features[last])
+                if self.drafter is not None:
+                    self.drafter.move_sequence(last, row)
+                if last in prompt_features:
+                    prompt_features[row] = prompt_features.pop(last)
+                live[row], live[last] = live[last], None
+                while in_use and live[in_use - 1] is None:
+                    in_use -= 1
+            row += 1
+        return in_use
+
+    def _round(self, B, cache, tokens, features, n_features, prompt_features, timer: StageTimer):
+        """One round over rows 0 .. B-1; every row's accepted count [B] and committed tokens [B, block] (host)."""
+        target, dev, block, nodes = self.target, self.target.device, self.block, self.nodes
+        view = cache.rows(0, B)
+        start = view.start
+        if self.drafter is not None:
+            with timer.stage("draft"):
+                feats, n_feats = features[:B], n_features[:B]
+                if prompt_features:  # a row admitted since the last round drafts from its whole prompt
+                    wide = max([block] + [f.shape[0] for f in prompt_features.values()])
+                    feats = torch.cat((feats, feats.new_zeros(B, wide - block, feats.shape[-1])), dim=1)
+                    n_feats = n_feats.clone()
+                    for row, f in prompt_features.items():
+                        feats[row, :f.shape[0]] = f
+                        n_feats[row] = f.shape[0]
+                    prompt_features.clear()
+                draft_logits = self.drafter.propose(DraftInput(tokens[:B], start, feats, n_feats))
+            with timer.stage("tree"):
+                if self.settings.method == "dflash":
+                    chain = RoundTree.chain(nodes, dev)
+                    tree = RoundTree(draft_logits.argmax(-1), chain.parents.expand(B, -1),
+                                     chain.depths.expand(B, -1), chain.visible.expand(B, -1, -1),
+                                     chain.n_nodes.expand(B))
+                else:
+                    k = min(self.settings.budget, self.settings.topk_cap, draft_logits.shape[-1])
+                    D = draft_logits.shape[1]
+                    logp, ids = topk_logprobs(draft_logits.reshape(B * D, -1), k)
+                    tree = RoundTree(*build_tree(logp.view(B, D, k), ids.view(B, D, k), self.settings.budget))
+        else:
+            empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
+            tree = RoundTree(empty, empty, empty, torch.ones(B, 1, 1, dtype=torch.bool, device=dev),
+                             torch.zeros(B, dtype=torch.long, device=dev))
+        with timer.stage("verify"):
+            bonus = tokens[:B].gather(1, start[:, None])
+            verify_ids = torch.cat((bonus, tree.tokens), dim=1)                          # [B, 1 + nodes]
+            positions = start[:, None] + torch.cat((torch.zeros_like(bonus), tree.depths), dim=1)
+            hidden, verify_features = target(verify_ids, positions, view, tree.visible, self.feature_layers)
+            posterior = target.logits(hidden).argmax(-1)                                 # [B, 1 + nodes]
+        with timer.stage("commit"):
+            path, accepted, new_bonus = walk_tree(posterior, tree.tokens, tree.parents, tree.n_nodes, block - 1)
+            view.keep(path, accepted)
+            # committed tokens: the accepted nodes', then the bonus (entries past `accepted` are padding)
+            new = torch.cat((verify_ids.gather(1, path[:, 1:]), torch.zeros_like(bonus)), dim=1)  # [B, block]
+            new.scatter_(1, (accepted - 1)[:, None], new_bonus[:, None])
+            tokens[:B].scatter_(1, start[:, None] + torch.arange(1, block + 1, device=dev), new)
+            if features is not None:
+                features[:B].copy_(verify_features.gather(1, path[..., None].expand(-1, -1, features.shape[-1])))
+                n_features[:B].copy_(accepted)
+            start.add_(accepted)
+        out = torch.cat((accepted[:, None], new), dim=1).cpu()  # the round's one host read
+        return out[:, 0], out[:, 1:]
