@@ -93,3 +93,25 @@ def test_bench_workloads_include_the_held_out_set():
         model = type("M", (), {"cfg": type("C", (), {"vocab_size": 100})})
 
     assert prompt_ids(Bare, "haiku") == prompt_ids(Bare, "haiku") != prompt_ids(Bare, "fib")
+
+
+@pytest.mark.slow
+def test_bench_concurrency_sweep_writes_table_and_results(tmp_path, capsys, tiny_checkpoints):
+    """`bench --concurrency 1,3`: per concurrency and method one record (aggregate and per-request tok/s, TTFT,
+    tau, speed-up over AR at the same concurrency), every request checked against its batch-1 AR output."""
+    from engine.cli import main
+
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    out = tmp_path / "sweep.json"
+    code = main(["bench", "--target", str(path), "--draft", "random:1", "--acceptance", "synthetic:0.1",
+                 "--workloads", "fib,json", "--lengths", "short=8", "--methods", "ar,dflash,ddtree-4",
+                 "--concurrency", "3,1", "--warmup", "0", "--device", "cpu", "--json", str(out)])
+    assert code == 0
+    assert "concurrency" in capsys.readouterr().out
+    sweep = json.loads(out.read_text())["sweep"]
+    assert [(r["concurrency"], r["method"]) for r in sweep] == [(c, m) for c in (1, 3)
+                                                                 for m in ("ar", "dflash", "ddtree-4")]
+    assert all(r["lossless"] and r["aggregate_tok_s"] > 0 for r in sweep)
+    assert sweep[3]["workloads"] == ["fib", "json", "fib"]
+    assert all(r["speedup_vs_ar"] == pytest.approx(1.0) for r in sweep if r["method"] == "ar")
+    assert max(r["tau"] for r in sweep) > 2  # the oracle's proposals are accepted

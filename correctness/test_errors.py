@@ -836,3 +836,9 @@ def test_default_draft_missing_is_an_error(monkeypatch, tmp_path):
     with pytest.raises(EngineError) as e:
         load_drafter("default", target)
     assert_one_line(e, "is missing from this installation")
+
+
+@pytest.mark.parametrize("value", ["0", "2,x", ",", "-1"])
+def test_bad_concurrency(value, capsys):
+    assert main(["bench", "--device", "cpu", "--concurrency", value]) == 2
+    assert "bad --concurrency" in capsys.readouterr().err

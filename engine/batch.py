@@ -38,7 +38,7 @@ class _Request:
     prompt: list[int]
     out: list[int]
     accepted: list[int]
-    prefill_s: float
+    prefill_s: float            # time to first token from the call (waiting for a row included)
     started: float              # host clock at its first token
 
 
@@ -74,7 +74,9 @@ class BatchDecoder:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> list[GenerationResult]:
-        """Every prompt's greedy continuation, in the order given. stage_ms are per round of the whole batch."""
+        """Every prompt's greedy continuation, in the order given. A result's prefill_s is its time to first token
+        from this call (waiting for a free row included), its decode_s the time from then to its last token;
+        stage_ms are per round of the whole batch."""
         capacity = self.check_fits(prompts, max_new_tokens)
         target, dev, block = self.target, self.target.device, self.block
         rows = min(self.rows, len(prompts))
@@ -96,7 +98,6 @@ class BatchDecoder:
         def admit(row: int) -> None:
             """The next prompt into `row`: prefill it alone, its first token, its draft context reset."""
             index, prompt = queue.popleft()
-            t0 = time.perf_counter()
             view = cache.rows(row, 1)
             view.start.zero_()
             n = len(prompt)
@@ -112,7 +113,7 @@ class BatchDecoder:
                 prompt_features[row] = feats[0]
             sync(dev)
             now = time.perf_counter()
-            live[row] = _Request(index, prompt, [int(bonus)], [], now - t0, now)
+            live[row] = _Request(index, prompt, [int(bonus)], [], now - submitted, now)  # waiting included
 
         def finish(row: int) -> None:
             r = live[row]
@@ -123,6 +124,7 @@ class BatchDecoder:
         def done(r: _Request) -> bool:
             return len(r.out) >= max_new_tokens or r.out[-1] in stop
 
+        submitted = time.perf_counter()  # every request is submitted at once
         for row in range(rows):
             admit(row)
             if done(live[row]):

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--acceptance", default="real",
                    help="real, or synthetic[:MISS_RATE]: the draft runs, an oracle from the AR output replaces its "
                         "proposals (default miss rate 0.25); results are labelled synthetic")
+    b.add_argument("--concurrency", default=None, metavar="C1,C2,...",
+                   help="the concurrency sweep instead of the matrix: at each C, C requests at once (the workloads' "
+                        "prompts in turn), per method: aggregate and per-request tok/s, time to first token, tau, "
+                        "speed-up over AR at the same C; the first length")
     b.add_argument("--hf-baseline", action="store_true",
                    help="also time transformers' greedy generate on the first workload and length")
     b.add_argument("--json", default="bench-results.json", help="result file")
@@ -236,6 +240,9 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     chosen = parse_workloads(args.workloads)
     lengths = _parse_lengths(args.lengths, device)
     miss_rate = _parse_acceptance(args.acceptance)
+    concurrency = _parse_concurrency(args.concurrency) if args.concurrency is not None else None
+    if concurrency and tp is not None:
+        raise EngineError("--concurrency under tensor parallelism is not supported yet (run it at --tp 1)")
     if main_rank:
         print(f"loading {args.target} ..." + (f" (tensor-parallel width {tp.world})" if tp else ""), file=sys.stderr)
     target, device, dtype = _load(args, tp_device, tp)
@@ -243,6 +250,8 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     drafter = load_drafter(args.draft, target, args.block_size, args.seed) if needs_draft else None
     bench = Bench(target, drafter, warmup=warmup, repeats=repeats, miss_rate=miss_rate, stop_at_eos=args.stop_at_eos,
                   topk_cap=args.topk_cap)
+    if concurrency:
+        return _bench_sweep(args, bench, methods, chosen, lengths, concurrency, miss_rate)
     records = bench.matrix(methods, chosen, lengths, progress=main_rank)  # checks positions and memory first
     if not main_rank:
         return 0 if all(r["lossless"] for r in records) else 1
@@ -276,6 +285,42 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     print(f"results: {args.json}")
     if not all(r["lossless"] for r in rows):
         print("error: a speculative method diverged from greedy AR output (see 'exactness' in the results)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _parse_concurrency(text: str) -> list[int]:
+    values = [v for v in text.split(",") if v]
+    if not values or not all(v.isdigit() and int(v) >= 1 for v in values):
+        raise EngineError(f"bad --concurrency {text!r}: comma-separated request counts >= 1, e.g. 1,2,4,8")
+    return sorted({int(v) for v in values})
+
+
+def _bench_sweep(args, bench, methods, chosen, lengths, concurrency, miss_rate) -> int:
+    from .measure import sweep
+    from .results import environment, write_json
+
+    target = bench.target
+    (length, new_tokens), = list(lengths.items())[:1]
+    records = sweep(bench, methods, chosen, new_tokens, concurrency)
+    acceptance = "real" if miss_rate is None else f"SYNTHETIC (oracle, miss rate {miss_rate})"
+    device = target.model.device
+    print(f"\ntarget {target.name}, draft {args.draft}, {device} {str(target.model.dtype).removeprefix('torch.')}, "
+          f"{new_tokens} new tokens per request ({length}), prompts {','.join(chosen)} in turn, acceptance "
+          f"{acceptance}")
+    print(f"{'concurrency':>11} {'method':<11} {'tok/s':>9} {'per request':>11} {'TTFT ms':>8} {'tau':>6} "
+          f"{'vs AR':>6}  lossless")
+    for r in records:
+        speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
+        print(f"{r['concurrency']:>11} {r['method']:<11} {r['aggregate_tok_s']:>9.1f} {r['request_tok_s']:>11.1f} "
+              f"{r['ttft_ms']:>8.1f} {r['tau']:>6.2f} {speedup:>6}  {'yes' if r['lossless'] else 'NO'}")
+    write_json(args.json, dict(environment=environment(device), target=target.name, draft=args.draft,
+                               dtype=str(target.model.dtype), length={length: new_tokens}, acceptance=acceptance,
+                               concurrency=concurrency, sweep=records))
+    print(f"results: {args.json}")
+    if not all(r["lossless"] for r in records):
+        print("error: a request's output diverged from its batch-1 greedy AR output (see 'exactness')",
               file=sys.stderr)
         return 1
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 
 from .decode import DecodeSettings, Decoder, GenerationResult
@@ -174,6 +175,59 @@ class Bench:
                         bar.set_postfix_str(f"{workload}/{length}/{m.name}")
                         records.append(dict(self.measure(workload, new_tokens, m, on_run=bar.update), length=length))
         return records
+
+
+def sweep(bench: "Bench", methods: list[str], workloads: list[str], new_tokens: int, concurrency: list[int],
+          progress: bool = True) -> list[dict]:
+    """The concurrency sweep (`bench --concurrency`): at each concurrency c, c requests at once (the workloads'
+    prompts in turn) decoded by a BatchDecoder of c rows, per method: aggregate tok/s (every request's tokens over
+    the call's wall time, prefills included), median per-request tok/s and time to first token, tau over all
+    rounds; every request checked against its batch-1 AR reference. Medians over the timed runs."""
+    from tqdm import tqdm
+
+    from .batch import BatchDecoder
+
+    parsed = [Method.parse(m, bench.topk_cap) for m in methods]
+    for w in workloads:
+        bench.reference(w, new_tokens)
+    drafter = bench._drafter_for(max(len(prompt_ids(bench.target, w)) for w in workloads) + new_tokens)
+    if bench.synthetic:
+        for w in workloads:
+            drafter.add_reference(prompt_ids(bench.target, w), bench.reference(w, new_tokens).tokens)
+    records = []
+    total = len(concurrency) * len(parsed) * (bench.warmup + bench.repeats)
+    with tqdm(total=total, disable=not progress, desc="sweep", unit="run", file=sys.stderr) as bar:
+        for c in concurrency:
+            names = [workloads[i % len(workloads)] for i in range(c)]
+            prompts = [prompt_ids(bench.target, w) for w in names]
+            for m in parsed:
+                bar.set_postfix_str(f"c{c}/{m.name}")
+                decoder = BatchDecoder(bench.target.model, drafter if m.drafts else None, m.settings, rows=c)
+                runs = []
+                for _ in range(bench.warmup + bench.repeats):
+                    t0 = time.perf_counter()
+                    results = decoder.generate(prompts, new_tokens, bench.stop)
+                    runs.append((time.perf_counter() - t0, results))
+                    bar.update()
+                runs = runs[bench.warmup:]
+                verdicts = [compare_tokens(bench.reference(w, new_tokens).tokens, bench.reference(w, new_tokens).margins,
+                                           r.tokens, bench.tolerance) for w, r in zip(names, runs[0][1])]
+                first = runs[0][1]
+                records.append(dict(
+                    concurrency=c, method=m.name, workloads=names, new_tokens=new_tokens,
+                    acceptance="synthetic" if m.drafts and bench.synthetic else "real",
+                    aggregate_tok_s=statistics.median(sum(len(r.tokens) for r in rs) / s for s, rs in runs),
+                    request_tok_s=statistics.median(statistics.median(r.tok_s for r in rs) for _, rs in runs),
+                    ttft_ms=statistics.median(statistics.median(r.prefill_s for r in rs) for _, rs in runs) * 1e3,
+                    tau=sum(sum(r.acceptance_lengths) for r in first) / max(1, sum(r.rounds for r in first)),
+                    stage_ms={k: statistics.median(rs[0].stage_ms.get(k, 0.0) for _, rs in runs)
+                              for k in first[0].stage_ms},
+                    lossless=all(v.ok for v in verdicts),
+                    exactness=next((v.describe() for v in verdicts if not v.ok), verdicts[0].describe())))
+    ar = {r["concurrency"]: r["aggregate_tok_s"] for r in records if r["method"] == "ar"}
+    for r in records:
+        r["speedup_vs_ar"] = r["aggregate_tok_s"] / ar[r["concurrency"]] if r["concurrency"] in ar else None
+    return records
 
 
 def heldout_acceptance(target, drafter, new_tokens: int = HELDOUT_TOKENS, methods=HELDOUT_METHODS

@@ -33,27 +33,28 @@ class OracleDrafter(Drafter):
         self.feature_layers = cost.feature_layers if cost is not None else ()
         self.graphable = cost is None or cost.graphable
         rows = max(max_length or 0, len(reference)) + block_size
-        # per sequence (one, or B in batched decoding) and position: ranked tokens, best first
-        self.ranked = torch.zeros(1, rows, RANKS, dtype=torch.long, device=device)
+        self.ranked = torch.zeros(rows, RANKS, dtype=torch.long, device=device)  # per position, best first
+        self.ranked_rows: torch.Tensor | None = None  # batched decoding: [rows in the batch, positions, RANKS]
         self.scores = torch.tensor([20.0 - 2.0 * r for r in range(RANKS)], device=device).expand(block_size - 1, RANKS)
         self.noise = torch.randn(block_size - 1, vocab_size, generator=torch.Generator().manual_seed(seed)).to(device)
         self.depths = torch.arange(1, block_size, device=device)
         self.by_prompt: dict[tuple, tuple[list[int], float | None]] = {}
         self.set_reference(reference)
 
-    def set_reference(self, reference: list[int], sequence: int = 0, miss_rate: float | None = None) -> None:
+    def set_reference(self, reference: list[int], sequence: int | None = None, miss_rate: float | None = None
+                      ) -> None:
         """Propose this continuation from now on (in place: graphs captured over this drafter stay valid); in
-        batched decoding, for the sequence in row `sequence`, with its own miss rate if given."""
+        batched decoding, for the sequence in batch row `sequence`, with its own miss rate if given."""
         if len(reference) > self.max_length:
             raise ValueError(f"reference of {len(reference)} tokens exceeds the oracle's max_length")
         miss = self.miss_rate if miss_rate is None else miss_rate
-        table = [self._ranked(p, reference, miss) for p in range(self.ranked.shape[1])]
-        self.ranked[sequence].copy_(torch.tensor(table))
+        table = torch.tensor([self._ranked(p, reference, miss) for p in range(self.ranked.shape[0])])
+        (self.ranked if sequence is None else self.ranked_rows[sequence]).copy_(table)
 
     @property
     def max_length(self) -> int:
         """The longest reference (prompt + continuation) that `set_reference` takes."""
-        return self.ranked.shape[1] - self.block_size
+        return self.ranked.shape[0] - self.block_size
 
     def _ranked(self, position: int, reference: list[int], miss_rate: float) -> list[int]:
         rng = random.Random(self.seed * 1_000_003 + position)
@@ -70,8 +71,8 @@ class OracleDrafter(Drafter):
         return wrong[:rank] + [right] + wrong[rank:RANKS - 1]
 
     def start(self, prompt_len: int, capacity: int, sequences: int | None = None) -> None:
-        if sequences is not None and self.ranked.shape[0] != sequences:  # references are set per row afterwards
-            self.ranked = self.ranked[:1].repeat(sequences, 1, 1)
+        if sequences is not None and (self.ranked_rows is None or self.ranked_rows.shape[0] != sequences):
+            self.ranked_rows = self.ranked.repeat(sequences, 1, 1)  # each row's set by reset_sequence
         if self.cost is not None:
             self.cost.start(prompt_len, capacity, **({} if sequences is None else dict(sequences=sequences)))
 
@@ -87,7 +88,7 @@ class OracleDrafter(Drafter):
             self.cost.reset_sequence(row, prompt)
 
     def move_sequence(self, src: int, dst: int) -> None:
-        self.ranked[dst].copy_(self.ranked[src])
+        self.ranked_rows[dst].copy_(self.ranked_rows[src])
         if self.cost is not None:
             self.cost.move_sequence(src, dst)
 
@@ -95,11 +96,11 @@ class OracleDrafter(Drafter):
         if self.cost is not None:
             self.cost.propose(inp)
         if inp.length.dim() == 0:
-            ranked = self.ranked[0].index_select(0, inp.length + self.depths)  # the positions after the bonus
+            ranked = self.ranked.index_select(0, inp.length + self.depths)  # the positions after the bonus
             return self.noise.scatter(1, ranked, self.scores)
         B = inp.length.shape[0]  # one sequence per row
         positions = inp.length[:, None] + self.depths                              # [B, block - 1]
-        ranked = self.ranked[:B].gather(1, positions[..., None].expand(-1, -1, RANKS))
+        ranked = self.ranked_rows[:B].gather(1, positions[..., None].expand(-1, -1, RANKS))
         return self.noise.expand(B, -1, -1).scatter(2, ranked, self.scores.expand(B, -1, -1))
 
     @property
