@@ -121,9 +121,23 @@ def _with_weight_flags(cfg: ModelConfig, keys: set[str]) -> ModelConfig:
 
 
 def _empty(factory, device, dtype) -> torch.nn.Module:
-    with torch.device("meta"):
-        module = factory()
+    """The module's structure on `device` with uninitialized weights (the caller fills them). Built on the meta
+    device with torch.nn.init's functions switched off: initializing meta tensors is wasted work, and it goes through
+    PyTorch's decompositions, whose first use imports torch._dynamo (1.3 s of a process's start on a 2-core CPU)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            module = factory()
+    finally:
+        for name, f in saved.items():
+            setattr(torch.nn.init, name, f)
     return module.to_empty(device=device).to(dtype)
+
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
+                   "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")
 
 
 def _tie(model: Transformer) -> Transformer:

@@ -193,3 +193,14 @@ def test_gate_power_rotates_arms_and_judges_each_against_the_base(monkeypatch):
     for m in ("dflash", "ddtree-15"):
         assert verdicts[("head", m)]["verdict"] == "ok"
         assert verdicts[("plant 0.1", m)]["verdict"] == "SLOWER" and 0.89 < verdicts[("plant 0.1", m)]["ratio"] < 0.93
+
+
+def test_building_a_model_does_not_import_torch_dynamo():
+    """Every gate process builds its models on the meta device: with torch.nn.init switched off there (engine.loading
+    ._empty), PyTorch's decompositions never run, so torch._dynamo is not imported (1.3 s of a process's start on
+    the 2-core CPU; more on the H200 runner, whose image compiles modules from source)."""
+    code = ("import sys, torch, engine; t = engine.load_target('synthetic:hybrid-tiny', 'cpu', torch.float32); "
+            "engine.load_drafter('random:1', t); print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
