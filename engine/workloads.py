@@ -62,6 +62,9 @@ def runs_for(device_type: str) -> dict[str, int]:
 
 METHODS = ("ar", "dflash", "ddtree-15", "ddtree-16", "ddtree-32", "ddtree-64")
 HELDOUT_METHODS = ("dflash", "ddtree-15", "ddtree-32")  # what train-draft's summary reports
+# The perf suite's concurrency floors (engine.measure.sweep): requests at once, and the methods measured there.
+CONCURRENCY = (1, 8)
+CONCURRENCY_METHODS = ("ar", "dflash", "ddtree-15", "ddtree-32")
 TOPK_CAP = 8
 
 SYNTHETIC_MISS_RATE = 0.25  # synthetic acceptance: the oracle ranks the right token first 3 times in 4

@@ -23,8 +23,11 @@ class FloorsError(ValueError):
     """A malformed floors or results file."""
 
 
-def floor_key(device: str, tp: int, pair: str, workload: str, length: str, method: str) -> tuple:
-    return (device, int(tp), pair, workload, length, method)
+def floor_key(device: str, tp: int, pair: str, workload: str, length: str, method: str, concurrency: int = 1
+              ) -> tuple:
+    """A floor's key. concurrency: requests decoded at once (the concurrency sweep's records); an entry without the
+    field is 1."""
+    return (device, int(tp), pair, workload, length, method, int(concurrency))
 
 
 def load(path: Path = FLOORS_PATH) -> dict[tuple, dict]:
@@ -52,9 +55,11 @@ def load(path: Path = FLOORS_PATH) -> dict[tuple, dict]:
                 raise FloorsError(f"{where}: {name} must be a positive finite number or null, got {value!r}")
         if not isinstance(entry.get("pinned", False), bool):
             raise FloorsError(f"{where}: pinned must be true or false, got {entry['pinned']!r}")
-        if not isinstance(entry["tp"], int) or entry["tp"] < 1:
-            raise FloorsError(f"{where}: tp must be a positive integer, got {entry['tp']!r}")
-        key = floor_key(*(entry[f] for f in KEY_FIELDS))
+        for name in ("tp", "concurrency"):
+            value = entry.get(name, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise FloorsError(f"{where}: {name} must be a positive integer, got {value!r}")
+        key = floor_key(*(entry[f] for f in KEY_FIELDS), entry.get("concurrency", 1))
         if key in floors:
             raise FloorsError(f"{where}: duplicate key {key}")
         floors[key] = entry
@@ -108,12 +113,13 @@ def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: fl
             missing = [f for f in (*KEY_FIELDS, "tau") if f not in r]
             if missing:
                 raise FloorsError(f"{where}: missing field {missing[0]!r}")
-            key = floor_key(*(r[f] for f in KEY_FIELDS))
+            key = floor_key(*(r[f] for f in KEY_FIELDS), r.get("concurrency", 1))
             if floors.get(key, {}).get("pinned"):
                 continue  # a target, not a measurement
             timed = r["device"] != "cpu" and r.get("tok_s_median") is not None  # the held-out record has no tok/s
             tok_s = _floor_of(r, "tok_s_median", margin, 2, where) if timed else None
-            floors[key] = dict(zip(KEY_FIELDS, key), tok_s=tok_s, tau=_floor_of(r, "tau", tau_margin, 3, where))
+            entry = dict(zip(KEY_FIELDS, key), **({"concurrency": key[-1]} if key[-1] != 1 else {}))
+            floors[key] = dict(entry, tok_s=tok_s, tau=_floor_of(r, "tau", tau_margin, 3, where))
             written += 1
     from engine.errors import EngineError
     from engine.results import write_json

@@ -13,7 +13,8 @@ from engine import load_drafter, load_target
 from engine.launch import run_torchrun
 from engine.measure import Bench
 from engine.results import environment, gpu_telemetry, write_json
-from engine.workloads import GATED_LENGTHS, HELDOUT_TOKENS, lengths_for, pairs, runs_for, user_pair
+from engine.workloads import (CONCURRENCY_METHODS, GATED_LENGTHS, HELDOUT_TOKENS, WORKLOADS, lengths_for, pairs,
+                              runs_for, user_pair)
 
 
 def suite_pairs(config, on_gpu: bool) -> dict:
@@ -62,6 +63,22 @@ class Harness:
         key = (pair, "heldout", str(HELDOUT_TOKENS), method)
         if key not in self._measured:
             self._record(key, self._labelled(pair, self.bench(pair).measure_heldout(method, HELDOUT_TOKENS)))
+        return self._measured[key]
+
+    def measure_concurrency(self, pair: str, concurrency: int, length: str, method: str) -> dict:
+        """The concurrency sweep's record (engine.measure.sweep: `concurrency` requests at once, the workloads'
+        prompts in turn), every method of CONCURRENCY_METHODS measured together. tok_s_median is the aggregate
+        tok/s; workload "mix"."""
+        key = (pair, "mix", length, method, concurrency)
+        if key not in self._measured:
+            from engine.measure import sweep
+
+            records = sweep(self.bench(pair), list(CONCURRENCY_METHODS), list(WORKLOADS), self.lengths[length],
+                            [concurrency], progress=False)
+            for r in records:
+                labelled = self._labelled(pair, dict(r, workload="mix", workloads=r["workloads"], length=length,
+                                                     tok_s_median=r["aggregate_tok_s"]))
+                self._record((pair, "mix", length, r["method"], concurrency), labelled)
         return self._measured[key]
 
     def _record(self, key, record: dict) -> None:

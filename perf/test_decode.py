@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from engine.launch import visible_gpus
-from engine.workloads import HELDOUT_METHODS, HELDOUT_TOKENS, METHODS, WORKLOADS
+from engine.workloads import (CONCURRENCY, CONCURRENCY_METHODS, HELDOUT_METHODS, HELDOUT_TOKENS, METHODS,
+                              WORKLOADS)
 from perf.floors import floor_key
 from perf.harness import suite_pairs
 
@@ -102,3 +103,23 @@ def test_heldout_acceptance_floor(harness, floors, pytestconfig, pair, tp, metho
     floor = _floor(floors, pytestconfig, key, "tau")
     assert r["tau"] >= floor, (f"held-out tau {r['tau']:.3f} below floor {floor} for {key}; per prompt "
                                f"{ {w: round(p['tau'], 2) for w, p in r['per_prompt'].items()} }")
+
+
+@pytest.mark.parametrize("method", CONCURRENCY_METHODS)
+@pytest.mark.parametrize("concurrency", CONCURRENCY, ids=[f"c{c}" for c in CONCURRENCY])
+@pytest.mark.parametrize("tp", WIDTHS[:1])
+def test_concurrency_floor(harness, floors, pytestconfig, pair, tp, concurrency, method):
+    """`concurrency` requests at once (engine/batch.py; the workloads' prompts in turn): every request equal to its
+    batch-1 AR output; tau floors everywhere, aggregate tok/s floors on GPUs."""
+    if harness.bench(pair).target.model.cfg.hybrid:
+        pytest.skip("batched decoding of hybrid (Gated DeltaNet) targets is not supported yet")
+    for length in harness.lengths:
+        r = harness.measure_concurrency(pair, concurrency, length, method)
+        assert r["lossless"], f"{pair}/c{concurrency}/{method}: a request diverged from AR: {r['exactness']}"
+        key = floor_key(harness.device_name, tp, pair, "mix", length, method, concurrency)
+        assert r["tau"] >= _floor(floors, pytestconfig, key, "tau"), f"tau {r['tau']:.3f} below floor for {key}"
+        if harness.on_gpu:
+            floor = _floor(floors, pytestconfig, key, "tok_s")
+            assert r["tok_s_median"] >= floor, (f"{r['tok_s_median']:.1f} aggregate tok/s below floor {floor} for "
+                                                f"{key}; per request {r['request_tok_s']:.1f}; telemetry "
+                                                f"{r['telemetry']}")

@@ -26,6 +26,7 @@ def write(tmp_path, obj, name="floors.json"):
     ({"version": 1, "floors": [{k: v for k, v in ENTRY.items() if k != "method"}]}, "missing field 'method'"),
     ({"version": 1, "floors": [ENTRY, ENTRY]}, "duplicate key"),
     ({"version": 1, "floors": [{**ENTRY, "tp": 0}]}, "tp must be a positive integer"),
+    ({"version": 1, "floors": [{**ENTRY, "concurrency": "8"}]}, "concurrency must be a positive integer"),
     ({"version": 1, "floors": ["x"]}, "not an object"),
     ({"version": 1, "floors": [{**ENTRY, "pinned": "yes"}]}, "pinned must be true or false"),
 ])
@@ -96,3 +97,17 @@ def test_recorded_floors_never_exceed_the_run_they_come_from(tmp_path):
         entry = floors[floor_key("NVIDIA H200", 1, "p", "fib", "short", f"m{i}")]
         assert entry["tau"] <= t and t - entry["tau"] < 1e-3
         assert entry["tok_s"] <= t * 1000 + 0.996
+
+
+def test_concurrency_keys_floors_apart(tmp_path):
+    """The concurrency sweep's records carry their concurrency: recorded under their own key (the field written only
+    when it is not 1), and an entry without the field is concurrency 1."""
+    floors_path = tmp_path / "floors.json"
+    res = results(tmp_path, [dict(device="cpu", method="ar", tau=1.0),
+                             dict(device="cpu", method="ar", tau=0.5, concurrency=8)])
+    record([res], floors_path, tau_margin=1.0)
+    floors = load(floors_path)
+    assert floors[floor_key("cpu", 1, "p", "fib", "short", "ar")]["tau"] == 1.0
+    assert floors[floor_key("cpu", 1, "p", "fib", "short", "ar", 8)]["tau"] == 0.5
+    written = json.loads(floors_path.read_text())["floors"]
+    assert sorted(e.get("concurrency", 1) for e in written) == [1, 8] and sum("concurrency" in e for e in written) == 1
