@@ -223,7 +223,7 @@ def _parse_acceptance(text: str) -> float | None:
 def cmd_bench(args, tp=None, tp_device=None) -> int:
     from .bench import device_bandwidth, format_table, hf_generate_tok_s, parse_workloads, summarize, weight_bytes
     from .measure import Bench, Method
-    from .results import check_writable, environment, write_json
+    from .results import check_writable, environment
 
     _check_sizes(args)
     check_writable(args.json)
@@ -277,15 +277,21 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
         ar = next(r["tok_s"] for r in rows if r["method"] == "ar")
         print(f"transformers generate ({workload}/{name}): {hf['tok_s']:.1f} tok/s; engine AR is "
               f"{ar / hf['tok_s']:.1f}x that")
-    write_json(args.json, dict(environment=environment(device), target=target.name, draft=draft_name,
-                               dtype=str(dtype), tp=tp.world if tp else 1, lengths=lengths, acceptance=acceptance,
-                               bandwidth_bytes_s=bandwidth,
-                               weight_bytes=weight_bytes(target.model), roofline_tok_s=roofline, hf_generate=hf,
-                               summary=rows, runs=records))
-    print(f"results: {args.json}")
-    if not all(r["lossless"] for r in rows):
-        print("error: a speculative method diverged from greedy AR output (see 'exactness' in the results)",
-              file=sys.stderr)
+    return _results(args.json, dict(environment=environment(device), target=target.name, draft=draft_name,
+                                    dtype=str(dtype), tp=tp.world if tp else 1, lengths=lengths, acceptance=acceptance,
+                                    bandwidth_bytes_s=bandwidth, weight_bytes=weight_bytes(target.model),
+                                    roofline_tok_s=roofline, hf_generate=hf, summary=rows, runs=records),
+                    all(r["lossless"] for r in rows), "a speculative method diverged from greedy AR output")
+
+
+def _results(path: str, results: dict, lossless: bool, divergence: str) -> int:
+    """Write the results file (atomically); exit 1 where an output was not lossless."""
+    from .results import write_json
+
+    write_json(path, results)
+    print(f"results: {path}")
+    if not lossless:
+        print(f"error: {divergence} (see 'exactness' in the results)", file=sys.stderr)
         return 1
     return 0
 
@@ -299,7 +305,7 @@ def _parse_concurrency(text: str) -> list[int]:
 
 def _bench_sweep(args, bench, methods, chosen, lengths, concurrency, miss_rate) -> int:
     from .measure import sweep
-    from .results import environment, write_json
+    from .results import environment
 
     target = bench.target
     (length, new_tokens), = list(lengths.items())[:1]
@@ -315,15 +321,10 @@ def _bench_sweep(args, bench, methods, chosen, lengths, concurrency, miss_rate) 
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
         print(f"{r['concurrency']:>11} {r['method']:<11} {r['aggregate_tok_s']:>9.1f} {r['request_tok_s']:>11.1f} "
               f"{r['ttft_ms']:>8.1f} {r['tau']:>6.2f} {speedup:>6}  {'yes' if r['lossless'] else 'NO'}")
-    write_json(args.json, dict(environment=environment(device), target=target.name, draft=args.draft,
-                               dtype=str(target.model.dtype), length={length: new_tokens}, acceptance=acceptance,
-                               concurrency=concurrency, sweep=records))
-    print(f"results: {args.json}")
-    if not all(r["lossless"] for r in records):
-        print("error: a request's output diverged from its batch-1 greedy AR output (see 'exactness')",
-              file=sys.stderr)
-        return 1
-    return 0
+    return _results(args.json, dict(environment=environment(device), target=target.name, draft=args.draft,
+                                    dtype=str(target.model.dtype), length={length: new_tokens}, acceptance=acceptance,
+                                    concurrency=concurrency, sweep=records),
+                    all(r["lossless"] for r in records), "a request's output diverged from its batch-1 greedy AR output")
 
 
 def cmd_train_draft(args) -> int:
