@@ -175,3 +175,47 @@ def test_batched_decoding_gives_every_request_its_batch1_ar_output(tiny_checkpoi
     if method != "ar":
         taus = [r.tau for r in results]
         assert max(taus) > 2.5 and min(taus) < 1.6, taus  # rows accepted very differently
+
+
+@pytest.mark.cpu
+def test_budget_policy_picks_smaller_trees_as_concurrency_grows(monkeypatch):
+    """engine.budget.choose_budgets: tok/s = c * tau(b) / (draft + verify(c, 1 + b)). With a verify pass that costs
+    a fixed 5 ms plus 0.1 ms per row of the batch (weights first, arithmetic later) and tau rising with the budget,
+    the biggest tree wins at concurrency 1 and the smallest at 32; every budget's tau comes from lossless runs."""
+    from engine import budget
+
+    taus = {2: 2.0, 8: 3.0, 32: 4.5}
+
+    class FakeBench:
+        target = type("T", (), {"model": None})()
+
+        def measure(self, workload, new_tokens, method):
+            b = int(method.split("-")[1])
+            return dict(lossless=True, rounds=10, acceptance_lengths=[taus[b]] * 10, exactness="identical")
+
+        def reference(self, workload, new_tokens):
+            return type("R", (), {"tokens": [0] * new_tokens})()
+
+        def _drafter_for(self, length):
+            return None
+
+    monkeypatch.setattr(budget, "verify_ms", lambda target, c, rows, context: 5.0 + 0.1 * c * rows)
+    monkeypatch.setattr(budget, "draft_ms", lambda drafter, target, c, context: 1.0)
+    choices = budget.choose_budgets(FakeBench(), ["fib"], 16, [1, 32], budgets=tuple(taus))
+    assert choices[1].budget == 32 and choices[32].budget == 2
+    assert choices[32].table[8]["tok_s"] == pytest.approx(1e3 * 32 * 3.0 / (1.0 + 5.0 + 0.1 * 32 * 9))
+
+
+@pytest.mark.cpu
+def test_budget_policy_measures_real_passes(tiny_checkpoints):
+    """The cost model's passes run on a real target and draft (any concurrency, any rows) and the choice is one of
+    the candidates, with a positive modelled tok/s for each."""
+    from engine import budget
+    from engine.measure import Bench
+
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    bench = Bench(target, engine.load_drafter("random:1", target, 4, seed=1), warmup=0, repeats=1, miss_rate=0.2)
+    choices = budget.choose_budgets(bench, ["fib"], 8, [1, 3], budgets=(2, 6))
+    assert set(choices) == {1, 3} and all(c.budget in (2, 6) for c in choices.values())
+    assert all(v["tok_s"] > 0 and v["round_ms"] > 0 for c in choices.values() for v in c.table.values())

@@ -842,3 +842,8 @@ def test_default_draft_missing_is_an_error(monkeypatch, tmp_path):
 def test_bad_concurrency(value, capsys):
     assert main(["bench", "--device", "cpu", "--concurrency", value]) == 2
     assert "bad --concurrency" in capsys.readouterr().err
+
+
+def test_ddtree_auto_needs_concurrency(capsys):
+    assert main(["bench", "--device", "cpu", "--methods", "ar,ddtree-auto"]) == 2
+    assert "use it with --concurrency" in capsys.readouterr().err

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="the workload matrix: tok/s, acceptance length and speed-up per method")
     _common(b)
     b.add_argument("--methods", default=",".join(workloads.METHODS),
-                   help="comma-separated: ar, dflash, ddtree-<budget>")
+                   help="comma-separated: ar, dflash, ddtree-<budget>; with --concurrency also ddtree-auto (a budget per "
+                        "concurrency from measured draft and verify costs, engine/budget.py)")
     b.add_argument("--workloads", default=",".join(workloads.WORKLOADS),
                    help=f"comma-separated: {', '.join(workloads.WORKLOADS)}, the held-out prompts' names (HELDOUT in "
                         f"engine/workloads.py), or heldout: the whole held-out set")
@@ -241,6 +242,8 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     lengths = _parse_lengths(args.lengths, device)
     miss_rate = _parse_acceptance(args.acceptance)
     concurrency = _parse_concurrency(args.concurrency) if args.concurrency is not None else None
+    if "ddtree-auto" in methods and not concurrency:
+        raise EngineError("ddtree-auto picks its budget per concurrency: use it with --concurrency")
     if concurrency and tp is not None:
         raise EngineError("--concurrency under tensor parallelism is not supported yet (run it at --tp 1)")
     if main_rank:
@@ -315,12 +318,18 @@ def _bench_sweep(args, bench, methods, chosen, lengths, concurrency, miss_rate) 
     print(f"\ntarget {target.name}, draft {args.draft}, {device} {str(target.model.dtype).removeprefix('torch.')}, "
           f"{new_tokens} new tokens per request ({length}), prompts {','.join(chosen)} in turn, acceptance "
           f"{acceptance}")
-    print(f"{'concurrency':>11} {'method':<11} {'tok/s':>9} {'per request':>11} {'TTFT ms':>8} {'tau':>6} "
+    print(f"{'concurrency':>11} {'method':<16} {'tok/s':>9} {'per request':>11} {'TTFT ms':>8} {'tau':>6} "
           f"{'vs AR':>6}  lossless")
     for r in records:
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
-        print(f"{r['concurrency']:>11} {r['method']:<11} {r['aggregate_tok_s']:>9.1f} {r['request_tok_s']:>11.1f} "
+        method = r["method"] + (f" ({r['budget']})" if "budget" in r else "")
+        print(f"{r['concurrency']:>11} {method:<16} {r['aggregate_tok_s']:>9.1f} {r['request_tok_s']:>11.1f} "
               f"{r['ttft_ms']:>8.1f} {r['tau']:>6.2f} {speedup:>6}  {'yes' if r['lossless'] else 'NO'}")
+    for r in records:
+        if "budget_policy" in r:
+            print(f"budget policy at concurrency {r['concurrency']} (model tok/s = c x tau / (draft + verify ms)): "
+                  + ", ".join(f"{b}: tau {v['tau']:.2f}, {v['round_ms']:.1f} ms, {v['tok_s']:.0f}"
+                              for b, v in r["budget_policy"].items()) + f" -> {r['budget']}")
     return _results(args.json, dict(environment=environment(device), target=target.name, draft=args.draft,
                                     dtype=str(target.model.dtype), length={length: new_tokens}, acceptance=acceptance,
                                     concurrency=concurrency, sweep=records),

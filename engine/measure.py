@@ -22,6 +22,9 @@ from .oracle import OracleDrafter
 from .workloads import HELDOUT_METHODS, HELDOUT_TOKENS, LENGTHS, TOPK_CAP, heldout_prompts, prompt_ids
 
 
+AUTO = "ddtree-auto"
+
+
 @dataclass(frozen=True)
 class Method:
     """A named decoding method: `ar`, `dflash` or `ddtree-<budget>`."""
@@ -31,6 +34,8 @@ class Method:
     @classmethod
     def parse(cls, name: str, topk_cap: int = TOPK_CAP) -> "Method":
         kind, _, budget = name.partition("-")
+        if name == AUTO:  # the concurrency sweep picks its budget per concurrency (engine/budget.py)
+            return cls(name, DecodeSettings("ddtree", 15, topk_cap))
         if kind == "ddtree":
             if not budget.isdigit():
                 raise EngineError(f"bad method {name!r}: write ddtree-<budget>, e.g. ddtree-15")
@@ -190,6 +195,11 @@ def sweep(bench: "Bench", methods: list[str], workloads: list[str], new_tokens: 
     parsed = [Method.parse(m, bench.topk_cap) for m in methods]
     for w in workloads:
         bench.reference(w, new_tokens)
+    policy = {}
+    if any(m.name == AUTO for m in parsed):
+        from .budget import choose_budgets
+
+        policy = choose_budgets(bench, workloads, new_tokens, concurrency)
     drafter = bench._drafter_for(max(len(prompt_ids(bench.target, w)) for w in workloads) + new_tokens)
     if bench.synthetic:
         for w in workloads:
@@ -202,7 +212,10 @@ def sweep(bench: "Bench", methods: list[str], workloads: list[str], new_tokens: 
             prompts = [prompt_ids(bench.target, w) for w in names]
             for m in parsed:
                 bar.set_postfix_str(f"c{c}/{m.name}")
-                decoder = BatchDecoder(bench.target.model, drafter if m.drafts else None, m.settings, rows=c)
+                settings = m.settings
+                if m.name == AUTO:
+                    settings = DecodeSettings("ddtree", policy[c].budget, bench.topk_cap)
+                decoder = BatchDecoder(bench.target.model, drafter if m.drafts else None, settings, rows=c)
                 runs = []
                 for _ in range(bench.warmup + bench.repeats):
                     t0 = time.perf_counter()
@@ -223,7 +236,8 @@ def sweep(bench: "Bench", methods: list[str], workloads: list[str], new_tokens: 
                     stage_ms={k: statistics.median(rs[0].stage_ms.get(k, 0.0) for _, rs in runs)
                               for k in first[0].stage_ms},
                     lossless=all(v.ok for v in verdicts),
-                    exactness=next((v.describe() for v in verdicts if not v.ok), verdicts[0].describe())))
+                    exactness=next((v.describe() for v in verdicts if not v.ok), verdicts[0].describe()),
+                    **(dict(budget=policy[c].budget, budget_policy=policy[c].table) if m.name == AUTO else {})))
     ar = {r["concurrency"]: r["aggregate_tok_s"] for r in records if r["method"] == "ar"}
     for r in records:
         r["speedup_vs_ar"] = r["aggregate_tok_s"] / ar[r["concurrency"]] if r["concurrency"] in ar else None
