@@ -179,3 +179,21 @@ def test_asv_run_publish_and_dashboard(tmp_path, serve):
     graph = _render(chromium, f"{url}/index.html#{BENCH}.track_ms_per_token?p-pair='default'&p-workload='fib'", home)
     for m in METHODS:
         assert f"method-{m}; pair-default; workload-fib" in graph, f"the graph page has no series for {m}"
+
+
+@pytest.mark.cpu
+def test_asv_concurrency_benchmarks(monkeypatch):
+    """decoding.Concurrency: the c8 sweep per pair and method, checked lossless, as ms per token and tau; a hybrid
+    pair skips with the reason (batched decoding does not support it yet)."""
+    from perf.asv_benchmarks import decoding
+
+    monkeypatch.setenv("ASV_ENGINE_PAIRS", "default-synthetic,hybrid-tiny-synthetic")
+    monkeypatch.setenv("ASV_ENGINE_NEW_TOKENS", "4")
+    bench = decoding.Concurrency()
+    results = bench.setup_cache()
+    for method in decoding.CONCURRENCY_METHODS:
+        bench.setup(results, "default-synthetic", method)
+        assert bench.track_c8_ms_per_token(results, "default-synthetic", method) > 0
+        assert bench.track_c8_tau(results, "default-synthetic", method) >= 1
+        with pytest.raises(NotImplementedError, match="hybrid"):
+            bench.setup(results, "hybrid-tiny-synthetic", method)

@@ -52,6 +52,9 @@ if os.environ.get("ASV_ENGINE_TARGET"):
     _user = REGISTRY.user_pair(os.environ["ASV_ENGINE_TARGET"], os.environ.get("ASV_ENGINE_DRAFT") or "default")
     PAIRS[_user.name] = _user
 WORKLOADS, METHODS = REGISTRY.WORKLOADS, REGISTRY.METHODS
+# Batched decoding's history: c8 (older commits, without batched decoding, skip these benchmarks)
+CONCURRENCY_METHODS = getattr(REGISTRY, "CONCURRENCY_METHODS", ("ar",))
+TRACKED_CONCURRENCY = 8
 
 
 def _selected(variable: str, known) -> list[str]:
@@ -141,3 +144,75 @@ class Decode:
         return self._checked(results, pair, workload, method)["tau"]
 
     track_tau.unit = "tokens/round"
+
+
+def measure_concurrency() -> dict:
+    """(pair, method) -> the c8 sweep record's aggregate tok/s, tau and losslessness (engine.measure.sweep: 8
+    requests at once, the workloads' prompts in turn), or a skip reason."""
+    engine = _import_engine()
+    import torch
+
+    try:
+        from engine.measure import sweep
+    except ImportError:
+        return {(p, m): "this commit has no batched decoding" for p in PAIRS for m in CONCURRENCY_METHODS}
+    from engine.measure import Bench
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    new_tokens = int(os.environ.get("ASV_ENGINE_NEW_TOKENS") or REGISTRY.lengths_for(device.type)["short"])
+    pairs = _selected("ASV_ENGINE_PAIRS", PAIRS)
+    results = {}
+    for pair in PAIRS.values():
+        skip = "not in ASV_ENGINE_PAIRS" if pair.name not in pairs else "GPU only" if pair.gpu_only and not on_gpu \
+            else None
+        target = None if skip else engine.load_target(pair.target, device, dtype)
+        if target is not None and target.model.cfg.hybrid:
+            skip = "batched decoding of hybrid targets is not supported yet"
+        if skip:
+            results.update({(pair.name, m): f"{pair.name}: {skip}" for m in CONCURRENCY_METHODS})
+            continue
+        bench = Bench(target, engine.load_drafter(pair.draft, target), miss_rate=pair.miss_rate,
+                      **REGISTRY.runs_for(device.type))
+        for r in sweep(bench, list(CONCURRENCY_METHODS), list(WORKLOADS), new_tokens, [TRACKED_CONCURRENCY],
+                       progress=False):
+            results[(pair.name, r["method"])] = {k: r[k] for k in ("aggregate_tok_s", "tau", "lossless", "exactness")}
+        del target, bench
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()
+    return results
+
+
+class Concurrency:
+    """8 requests at once: aggregate ms per token (every request's tokens over the call's wall time) and tau."""
+    params = (list(PAIRS), list(CONCURRENCY_METHODS))
+    param_names = ("pair", "method")
+
+    def setup_cache(self):
+        return measure_concurrency()
+
+    setup_cache.timeout = 1800
+
+    def setup(self, results, pair, method):
+        if isinstance(results[(pair, method)], str):
+            raise NotImplementedError(results[(pair, method)])
+
+    @staticmethod
+    def _checked(results, pair, method) -> dict:
+        r = results[(pair, method)]
+        if not r["lossless"]:
+            raise AssertionError(f"{pair}/c{TRACKED_CONCURRENCY}/{method}: a request diverged from AR: "
+                                 f"{r['exactness']}")
+        return r
+
+    def track_c8_ms_per_token(self, results, pair, method):
+        return 1e3 / self._checked(results, pair, method)["aggregate_tok_s"]
+
+    track_c8_ms_per_token.unit = "ms/token"
+
+    def track_c8_tau(self, results, pair, method):
+        return self._checked(results, pair, method)["tau"]
+
+    track_c8_tau.unit = "tokens/round"
