@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import engine
-from engine.errors import EngineError
 
 
 def random_tree_mask(T: int, gen: torch.Generator) -> tuple[torch.Tensor, list[int]]:
@@ -86,10 +85,63 @@ def test_sequences_with_their_own_lengths_and_trees_equal_each_run_alone(tiny_ch
 
 
 @pytest.mark.cpu
-def test_hybrid_targets_refuse_sequences_with_their_own_lengths():
-    target = engine.load_target("synthetic:hybrid-tiny", "cpu", torch.float32)
-    with pytest.raises(EngineError, match="not supported on hybrid"):
-        target.model.new_cache(32, batch=2, own_lengths=True)
+def test_hybrid_sequences_with_their_own_lengths_and_trees_equal_each_run_alone():
+    """A hybrid target (Gated DeltaNet and gated attention layers) over sequences with their own lengths: each
+    prompt prefilled into its own row (a row view of the cache), then one pass over a different tree per sequence
+    (its own Gated DeltaNet schedule), each sequence's own accepted path kept (its own replay), and one more step:
+    every row equals that sequence run alone."""
+    from kernels.gated_delta import tree_schedule
+
+    model = engine.load_target("synthetic:hybrid-tiny", "cpu", torch.float32).model
+    kernel = model.cfg.linear_conv_kernel
+    gen = torch.Generator().manual_seed(32)
+    lengths, T, cap = [5, 11, 8], 6, 64
+    B = len(lengths)
+    prompts = [torch.randint(3, model.cfg.vocab_size, (n,), generator=gen) for n in lengths]
+    trees = [random_tree_mask(T, gen) for _ in range(B)]
+    tree_ids = torch.randint(3, model.cfg.vocab_size, (B, T), generator=gen)
+    kept = [path_to(trees[0][1], int(depths(trees[0][0]).argmax())), path_to(trees[1][1], T - 1), [0]]
+    nxt = torch.randint(3, model.cfg.vocab_size, (B, 1), generator=gen)
+
+    def schedule(b):
+        mask, parents = trees[b]
+        return tree_schedule(torch.tensor(parents), mask, T, kernel, "cpu", max_depth=T)
+
+    def run(cache, tokens, positions, mask, sched=None):
+        hidden, _ = model(tokens, positions, cache, mask, (), sched)
+        return model.logits(hidden)
+
+    def prefill(cache, b):
+        n = lengths[b]
+        out = run(cache, prompts[b][None], torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril())
+        cache.keep_prefix(n)
+        cache.start.fill_(n)
+        return out[0]
+
+    alone = []
+    for b in range(B):
+        cache = model.new_cache(cap)
+        pre = prefill(cache, b)
+        mask = trees[b][0]
+        tree = run(cache, tree_ids[b:b + 1], (lengths[b] + depths(mask))[None], mask, schedule(b))
+        cache.keep(torch.tensor(kept[b] + [0] * (T - len(kept[b]))), torch.tensor(len(kept[b])))
+        cache.start.add_(len(kept[b]))
+        step = run(cache, nxt[b:b + 1], cache.start.view(1, 1), torch.ones(1, 1, dtype=torch.bool))
+        alone.append((pre, tree[0], step[0]))
+
+    cache = model.new_cache(cap, batch=B, own_lengths=True)
+    pre = [prefill(cache.rows(b, 1), b) for b in range(B)]
+    masks = torch.stack([t[0] for t in trees])
+    tree = run(cache, tree_ids, cache.start[:, None] + depths(masks), masks, [schedule(b) for b in range(B)])
+    accepted = torch.tensor([len(k) for k in kept])
+    cache.keep(torch.tensor([k + [0] * (T - len(k)) for k in kept]), accepted)
+    cache.start.add_(accepted)
+    step = run(cache, nxt, cache.start[:, None], torch.ones(1, 1, dtype=torch.bool))
+    for b in range(B):  # batched float32 GEMMs round differently on a CPU (1e-5 here; a wrong state: 1e-1)
+        want_pre, want_tree, want_step = alone[b]
+        torch.testing.assert_close(pre[b], want_pre, rtol=1e-4, atol=1e-4, msg=f"sequence {b}: prompt")
+        torch.testing.assert_close(tree[b], want_tree, rtol=1e-4, atol=1e-4, msg=f"sequence {b}: tree")
+        torch.testing.assert_close(step[b], want_step, rtol=1e-4, atol=1e-4, msg=f"sequence {b}: after its path")
 
 
 @pytest.mark.cpu
@@ -140,17 +192,21 @@ def test_draft_over_sequences_with_their_own_context_equals_each_alone(tiny_chec
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
 @pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 4), ("ddtree", 15)])
-def test_batched_decoding_gives_every_request_its_batch1_ar_output(tiny_checkpoints, method, budget):
+def test_batched_decoding_gives_every_request_its_batch1_ar_output(tiny_checkpoints, kind, method, budget):
     """BatchDecoder: 7 prompts of different lengths in 3 rows (rows refilled from the queue, then moved together as
     the queue empties), a stop token that ends some requests early, and an oracle drafter whose miss rate differs
     by request (0 to 0.9, so rows accept very differently): every request's tokens equal its batch-1 AR output
-    (the float32 exactness rule), in the order given."""
+    (the float32 exactness rule), in the order given; on a dense target and on a hybrid one (Gated DeltaNet layers:
+    each row's own tree and its own replayed path)."""
     from engine.batch import BatchDecoder
     from engine.exactness import compare_tokens, tolerance_for
 
-    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
-    target = engine.load_target(str(path), "cpu", torch.float32)
+    if kind == "dense":
+        target = engine.load_target(str(tiny_checkpoints["qwen3-gqa-untied-sharded"][0]), "cpu", torch.float32)
+    else:
+        target = engine.load_target("synthetic:hybrid-tiny", "cpu", torch.float32)
     vocab = target.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (3, 17, 8, 30, 11, 1, 22)]
@@ -174,7 +230,7 @@ def test_batched_decoding_gives_every_request_its_batch1_ar_output(tiny_checkpoi
     assert min(cut) < new_tokens
     if method != "ar":
         taus = [r.tau for r in results]
-        assert max(taus) > 2.5 and min(taus) < 1.6, taus  # rows accepted very differently
+        assert max(taus) > 2 * min(taus), taus  # rows accepted very differently
 
 
 @pytest.mark.cpu

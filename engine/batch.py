@@ -10,8 +10,9 @@ prompt from the queue; the prompt is prefilled alone into that row (a row view o
 proposal reads the prompt's features. When the queue is empty, the last row in use moves into the freed row, so
 that a round runs over the first `in_use` rows only and finished requests stop costing work.
 
-Targets with Gated DeltaNet layers are refused (their per-sequence schedule does not exist yet). Rounds run
-eagerly (no CUDA graphs yet).
+Hybrid targets: their Gated DeltaNet layers follow a chain shared by the rows (AR, DFlash) or each row's own
+tree (DDTree), and commit replays each row's own accepted path; per-row trees and replays run one sequence at a
+time (a batched kernel over such schedules is future work). Rounds run eagerly (no CUDA graphs yet).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.gated_delta import tree_schedule
 from kernels.topk import topk_logprobs
 from kernels.tree_ops import build_tree, walk_tree
 
@@ -49,8 +51,6 @@ class BatchDecoder:
                  rows: int = 8):
         if rows < 1:
             raise EngineError(f"rows (concurrency) must be >= 1, got {rows}")
-        if target.cfg.hybrid:
-            raise EngineError("batched decoding of hybrid (Gated DeltaNet) targets is not supported yet")
         # the single-sequence decoder's settings checks, sizes and memory estimate
         self.one = Decoder(target, drafter, settings, cuda_graphs=False, run_ahead=False)
         self.target, self.settings, self.rows = target, settings, rows
@@ -99,11 +99,12 @@ class BatchDecoder:
             """The next prompt into `row`: prefill it alone, its first token, its draft context reset."""
             index, prompt = queue.popleft()
             view = cache.rows(row, 1)
-            view.start.zero_()
+            view.reset()  # a new sequence: start 0, and a hybrid's recurrent state and conv window from zeros
             n = len(prompt)
             ids = torch.tensor(prompt, device=dev)
             causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
             hidden, feats = target(ids[None], torch.arange(n, device=dev)[None], view, causal, self.feature_layers)
+            view.keep_prefix(n)
             view.start.fill_(n)
             bonus = target.logits(hidden[0, -1:]).argmax(-1)
             tokens[row, :n] = ids
@@ -215,7 +216,12 @@ class BatchDecoder:
             bonus = tokens[:B].gather(1, start[:, None])
             verify_ids = torch.cat((bonus, tree.tokens), dim=1)                          # [B, 1 + nodes]
             positions = start[:, None] + torch.cat((torch.zeros_like(bonus), tree.depths), dim=1)
-            hidden, verify_features = target(verify_ids, positions, view, tree.visible, self.feature_layers)
+            schedule = None  # a hybrid's Gated DeltaNet layers: a chain shared by the rows (AR, DFlash), or each tree
+            if target.cfg.hybrid and self.settings.method == "ddtree" and self.drafter is not None:
+                schedule = [tree_schedule(torch.cat((start.new_full((1,), -1), p)), v, 1 + nodes,
+                                          target.cfg.linear_conv_kernel, dev, max_depth=max(1, block - 1))
+                            for p, v in zip(tree.parents, tree.visible)]
+            hidden, verify_features = target(verify_ids, positions, view, tree.visible, self.feature_layers, schedule)
             posterior = target.logits(hidden).argmax(-1)                                 # [B, 1 + nodes]
         with timer.stage("commit"):
             path, accepted, new_bonus = walk_tree(posterior, tree.tokens, tree.parents, tree.n_nodes, block - 1)

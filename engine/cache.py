@@ -54,7 +54,21 @@ class RecurrentLayerCache:
         self.window.zero_()
 
     def keep(self, path: torch.Tensor, accepted: torch.Tensor, schedule=None) -> None:
-        keep_recurrent(self.rows, self.state, self.window, path, accepted, schedule)
+        """path [P] and accepted (0-d) for every batch row; or [B, P] and [B], each row its own sequence (schedule:
+        a list of one per row)."""
+        if path.dim() == 1:
+            keep_recurrent(self.rows, self.state, self.window, path, accepted, schedule)
+            return
+        for b in range(path.shape[0]):  # one sequence at a time (a batched replay kernel is future work)
+            one = slice(b, b + 1)
+            keep_recurrent(self.rows.row(b), self.state[one], self.window[one], path[b], accepted[b],
+                           None if schedule is None else schedule[b])
+
+    def view(self, first: int, end: int) -> "RecurrentLayerCache":
+        """Batch rows first .. end - 1 (views of the state and window)."""
+        view = object.__new__(RecurrentLayerCache)
+        view.state, view.window, view.rows = self.state[first:end], self.window[first:end], None
+        return view
 
     def keep_prefix(self, n: int) -> None:
         """Commit all n rows of the last forward, a chain (the prompt): its state was written by the forward."""
@@ -97,19 +111,29 @@ class ModelCache:
         """A view of batch rows first .. first + count - 1 (count 0: every row from `first`) of a cache whose rows
         have their own lengths: writes through it land in this cache (batched decoding runs a round over the rows in
         use, and prefills one row alone)."""
-        if self.recurrent or self.start.dim() != 1:
-            raise ValueError("row views need an attention-only cache whose rows have their own lengths")
+        if self.start.dim() != 1:
+            raise ValueError("row views need a cache whose rows have their own lengths")
         end = first + count if count else self.start.shape[0]
         view = object.__new__(ModelCache)
         view.k, view.v = self.k[:, first:end], self.v[:, first:end]
-        view.layers = [AttentionLayerCache(view.k[a], view.v[a]) for a in range(view.k.shape[0])]
-        view.recurrent, view.capacity, view.start = [], self.capacity, self.start[first:end]
+        view.layers, a = [], 0
+        for layer in self.layers:
+            if isinstance(layer, RecurrentLayerCache):
+                view.layers.append(layer.view(first, end))
+            else:
+                view.layers.append(AttentionLayerCache(view.k[a], view.v[a]))
+                a += 1
+        view.recurrent = [layer for layer in view.layers if isinstance(layer, RecurrentLayerCache)]
+        view.capacity, view.start = self.capacity, self.start[first:end]
         return view
 
     def move_row(self, src: int, dst: int) -> None:
         """Batch row src's sequence becomes row dst's (batched decoding keeps the rows in use first)."""
         self.k[:, dst].copy_(self.k[:, src])
         self.v[:, dst].copy_(self.v[:, src])
+        for layer in self.recurrent:
+            layer.state[dst].copy_(layer.state[src])
+            layer.window[dst].copy_(layer.window[src])
         self.start[dst] = self.start[src]
 
     def keep(self, path: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -119,7 +143,9 @@ class ModelCache:
         if self.k.shape[0]:
             compact_kv(self.k, self.v, self.start, path, accepted)
         if self.recurrent:
-            schedule = path_schedule(path, accepted)  # shared by the layers
+            # shared by the layers; one per sequence where rows have their own paths
+            schedule = path_schedule(path, accepted) if path.dim() == 1 else \
+                [path_schedule(p, a) for p, a in zip(path, accepted)]
             for layer in self.recurrent:
                 layer.keep(path, accepted, schedule)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gated_delta import DeltaDims, RecurrentRows, causal_conv, chain_schedule, gated_delta_rule, gated_rmsnorm
+from kernels.gated_delta import DeltaDims, RecurrentRows, causal_conv, gated_delta_rule, gated_rmsnorm
 
 from .cache import RecurrentLayerCache, RecurrentShape
 from .config import ModelConfig
@@ -66,7 +66,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, rows, layer_cache: RecurrentLayerCache) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]. rows.schedule: how the rows hang together (kernels/gated_delta.py,
-        a chain or a tree); rows.node_mask None: whole sequences from an empty state (draft training's features)."""
+        a chain or a tree; a list of one per batch row where each row is its own sequence with its own tree);
+        rows.node_mask None: whole sequences from an empty state (draft training's features)."""
         B, T, _ = x.shape
         conv_in, z, b, a = F.linear(x, self.in_weight).split(
             [sum(self.split), self.value_heads * self.value_dim, self.value_heads, self.value_heads], dim=-1)
@@ -74,13 +75,24 @@ class GatedDeltaNet(nn.Module):
         window = torch.zeros_like(layer_cache.window) if fresh else layer_cache.window
         state = torch.zeros_like(layer_cache.state) if fresh else layer_cache.state
         schedule = rows.schedule
-        mixed = causal_conv(conv_in, self.conv1d.weight[:, 0], window, schedule)
         dims = DeltaDims(self.key_heads, self.key_dim, self.value_heads, self.value_dim)
-        chain = schedule.parents is None
-        last_state = torch.empty_like(state) if chain and not fresh else None  # a prompt is kept whole
-        out = gated_delta_rule(mixed, a, b, self.A_log, self.dt_bias, dims, state, schedule, last_state)
+        if isinstance(schedule, list):  # one sequence at a time (a batched kernel over such trees is future work)
+            parts = [self._mix(conv_in[i:i + 1], a[i:i + 1], b[i:i + 1], window[i:i + 1], state[i:i + 1], dims,
+                               schedule[i], keep_last=False) for i in range(B)]
+            mixed, out = torch.cat([m for m, _, _ in parts]), torch.cat([o for _, o, _ in parts])
+            last_state = None
+        else:
+            mixed, out, last_state = self._mix(conv_in, a, b, window, state, dims, schedule, keep_last=not fresh)
         if not fresh:
             layer_cache.rows = RecurrentRows(conv_in, mixed, a, b, self.A_log, self.dt_bias, dims, last_state)
         out = self.norm(out, z)
         out = self.out_proj(out.reshape(B, T, -1))
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _mix(self, conv_in, a, b, window, state, dims: DeltaDims, schedule, keep_last: bool):
+        """The conv and the delta rule over one schedule: (conv output, delta rule output, the state after a chain's
+        last row if keep_last and the schedule is a chain, else None)."""
+        mixed = causal_conv(conv_in, self.conv1d.weight[:, 0], window, schedule)
+        last_state = torch.empty_like(state) if keep_last and schedule.parents is None else None  # a prompt: kept
+        out = gated_delta_rule(mixed, a, b, self.A_log, self.dt_bias, dims, state, schedule, last_state)
+        return mixed, out, last_state

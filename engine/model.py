@@ -20,7 +20,6 @@ from kernels.tree_attention import tree_attention, visible_rows
 
 from .cache import AttentionLayerCache, ModelCache
 from .config import ModelConfig, rope_inv_freq
-from .errors import EngineError
 
 
 @functools.cache
@@ -242,9 +241,6 @@ class Transformer(nn.Module):
         committed length (batched decoding)."""
         c = self.cfg
         recurrent = tuple(i for i in range(c.num_layers) if c.layer_type(i) == "linear_attention")
-        if recurrent and own_lengths:
-            raise EngineError("sequences with their own lengths in one batch are not supported on hybrid (Gated "
-                              "DeltaNet) targets yet")
         # from the layer, not the config: under tensor parallelism it holds only this rank's heads and channels
         shape = self.layers[recurrent[0]].linear_attn.state_shape() if recurrent else None
         return ModelCache(c.num_layers, self.num_kv_heads, c.head_dim, capacity, self.dtype, self.device, batch,

@@ -266,6 +266,12 @@ class RecurrentRows:
     dims: DeltaDims
     last_state: torch.Tensor | None = None  # after the last row of a chain (what keeping a whole prompt commits)
 
+    def row(self, b: int) -> "RecurrentRows":
+        """Batch row b's rows alone (views)."""
+        one = slice(b, b + 1)
+        return RecurrentRows(self.conv_in[one], self.mixed[one], self.a[one], self.b[one], self.A_log, self.dt_bias,
+                             self.dims, None if self.last_state is None else self.last_state[one])
+
 
 def path_schedule(path: torch.Tensor, accepted: torch.Tensor) -> TreeSchedule:
     """Commit's schedule: the accepted path (root first, `accepted` entries real) replayed as one chain. Built once

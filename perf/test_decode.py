@@ -111,8 +111,6 @@ def test_heldout_acceptance_floor(harness, floors, pytestconfig, pair, tp, metho
 def test_concurrency_floor(harness, floors, pytestconfig, pair, tp, concurrency, method):
     """`concurrency` requests at once (engine/batch.py; the workloads' prompts in turn): every request equal to its
     batch-1 AR output; tau floors everywhere, aggregate tok/s floors on GPUs."""
-    if harness.bench(pair).target.model.cfg.hybrid:
-        pytest.skip("batched decoding of hybrid (Gated DeltaNet) targets is not supported yet")
     for length in harness.lengths:
         r = harness.measure_concurrency(pair, concurrency, length, method)
         assert r["lossless"], f"{pair}/c{concurrency}/{method}: a request diverged from AR: {r['exactness']}"

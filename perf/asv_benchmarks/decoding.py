@@ -167,12 +167,10 @@ def measure_concurrency() -> dict:
     for pair in PAIRS.values():
         skip = "not in ASV_ENGINE_PAIRS" if pair.name not in pairs else "GPU only" if pair.gpu_only and not on_gpu \
             else None
-        target = None if skip else engine.load_target(pair.target, device, dtype)
-        if target is not None and target.model.cfg.hybrid:
-            skip = "batched decoding of hybrid targets is not supported yet"
         if skip:
             results.update({(pair.name, m): f"{pair.name}: {skip}" for m in CONCURRENCY_METHODS})
             continue
+        target = engine.load_target(pair.target, device, dtype)
         bench = Bench(target, engine.load_drafter(pair.draft, target), miss_rate=pair.miss_rate,
                       **REGISTRY.runs_for(device.type))
         for r in sweep(bench, list(CONCURRENCY_METHODS), list(WORKLOADS), new_tokens, [TRACKED_CONCURRENCY],
