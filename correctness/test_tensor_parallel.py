@@ -105,3 +105,20 @@ def test_a_crash_or_a_hang_under_torchrun_fails_with_the_output(tmp_path):
     hang.write_text("import time\nprint('waiting forever', flush=True)\ntime.sleep(600)\n")
     with pytest.raises(AssertionError, match="hung"):
         run_torchrun(2, [str(hang)], timeout=8, cpu=True)
+
+
+def test_concurrency_sweep_at_width2_equals_width1(tiny_checkpoints, tmp_path):
+    """`bench --concurrency` under torchrun at width 2 (gloo): batched decoding on a sharded target gives every request
+    the same tokens and acceptance as at width 1, each checked against its batch-1 AR output."""
+    path = str(tiny_checkpoints["qwen3-gqa-untied-sharded"][0])
+    args = ["bench", "--device", "cpu", "--target", path, "--draft", "random:1", "--acceptance", "synthetic:0.2",
+            "--workloads", "fib,json", "--lengths", "short=8", "--methods", "ar,dflash,ddtree-4",
+            "--concurrency", "1,3", "--repeats", "1", "--warmup", "0"]
+    from engine.cli import main
+
+    assert main([*args, "--json", str(tmp_path / "w1.json")]) == 0
+    run_torchrun(2, ["-m", "engine", *args, "--tp", "2", "--json", str(tmp_path / "w2.json")], timeout=600, cpu=True)
+    w1, w2 = (json.loads((tmp_path / f"w{n}.json").read_text())["sweep"] for n in (1, 2))
+    assert [(r["concurrency"], r["method"], r["tau"], r["lossless"]) for r in w2] == \
+        [(r["concurrency"], r["method"], r["tau"], r["lossless"]) for r in w1]
+    assert all(r["lossless"] for r in w2)

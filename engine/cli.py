@@ -244,8 +244,9 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     concurrency = _parse_concurrency(args.concurrency) if args.concurrency is not None else None
     if "ddtree-auto" in methods and not concurrency:
         raise EngineError("ddtree-auto picks its budget per concurrency: use it with --concurrency")
-    if concurrency and tp is not None:
-        raise EngineError("--concurrency under tensor parallelism is not supported yet (run it at --tp 1)")
+    if "ddtree-auto" in methods and tp is not None:
+        raise EngineError("ddtree-auto under tensor parallelism is not supported yet (each rank would time its own "
+                          "passes; run it at --tp 1)")
     if main_rank:
         print(f"loading {args.target} ..." + (f" (tensor-parallel width {tp.world})" if tp else ""), file=sys.stderr)
     target, device, dtype = _load(args, tp_device, tp)
@@ -254,7 +255,7 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     bench = Bench(target, drafter, warmup=warmup, repeats=repeats, miss_rate=miss_rate, stop_at_eos=args.stop_at_eos,
                   topk_cap=args.topk_cap)
     if concurrency:
-        return _bench_sweep(args, bench, methods, chosen, lengths, concurrency, miss_rate)
+        return _bench_sweep(args, bench, methods, chosen, lengths, concurrency, miss_rate, main_rank)
     records = bench.matrix(methods, chosen, lengths, progress=main_rank)  # checks positions and memory first
     if not main_rank:
         return 0 if all(r["lossless"] for r in records) else 1
@@ -306,13 +307,15 @@ def _parse_concurrency(text: str) -> list[int]:
     return sorted({int(v) for v in values})
 
 
-def _bench_sweep(args, bench, methods, chosen, lengths, concurrency, miss_rate) -> int:
+def _bench_sweep(args, bench, methods, chosen, lengths, concurrency, miss_rate, main_rank: bool = True) -> int:
     from .measure import sweep
     from .results import environment
 
     target = bench.target
     (length, new_tokens), = list(lengths.items())[:1]
-    records = sweep(bench, methods, chosen, new_tokens, concurrency)
+    records = sweep(bench, methods, chosen, new_tokens, concurrency, progress=main_rank)
+    if not main_rank:  # every rank decodes; rank 0 reports
+        return 0 if all(r["lossless"] for r in records) else 1
     acceptance = "real" if miss_rate is None else f"SYNTHETIC (oracle, miss rate {miss_rate})"
     device = target.model.device
     print(f"\ntarget {target.name}, draft {args.draft}, {device} {str(target.model.dtype).removeprefix('torch.')}, "
