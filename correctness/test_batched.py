@@ -275,3 +275,46 @@ def test_budget_policy_measures_real_passes(tiny_checkpoints):
     choices = budget.choose_budgets(bench, ["fib"], 8, [1, 3], budgets=(2, 6))
     assert set(choices) == {1, 3} and all(c.budget in (2, 6) for c in choices.values())
     assert all(v["tok_s"] > 0 and v["round_ms"] > 0 for c in choices.values() for v in c.table.values())
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 6)])
+def test_batched_rounds_through_the_graph_path_stay_lossless(tiny_checkpoints, monkeypatch, method, budget):
+    """The CUDA-graph bookkeeping of BatchDecoder on a CPU: with capture stood in for by a replay that runs the stage
+    again, rounds after an admission and each batch size's first round run eagerly, later rounds replay the stages
+    captured for their batch size (the batch shrinks as requests finish), and every request still equals its batch-1
+    AR output. (On a GPU, correctness/test_gpu_lossless.py checks real graphs.)"""
+    from engine.batch import BatchDecoder
+    from engine.exactness import compare_tokens, tolerance_for
+
+    captured, replays = [], []
+
+    class Replay:
+        def __init__(self, stage):
+            self.stage = stage
+
+        def replay(self):
+            replays.append(self.stage.__name__)
+            self.stage()
+
+    monkeypatch.setattr(BatchDecoder, "_capture", staticmethod(lambda stage: captured.append(stage) or Replay(stage)))
+    target = engine.load_target(str(tiny_checkpoints["qwen3-gqa-untied-sharded"][0]), "cpu", torch.float32)
+    vocab = target.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (4, 19, 9, 13, 2)]
+    refs = [engine.Decoder(target.model).generate(p, 20, record_margins=True) for p in prompts]
+    drafter = None
+    if method != "ar":
+        drafter = engine.OracleDrafter([0], vocab, 5, device="cpu", cost=engine.load_drafter("random:1", target, 5),
+                                       max_length=64)
+        for i, (p, r) in enumerate(zip(prompts, refs)):
+            drafter.add_reference(p, r.tokens, miss_rate=[0.0, 0.5, 0.9][i % 3])
+    decoder = BatchDecoder(target.model, drafter, engine.DecodeSettings(method, budget), rows=3)
+    decoder.cuda_graphs = True
+    results = decoder.generate(prompts, 20)
+    for i, (res, ref) in enumerate(zip(results, refs)):
+        verdict = compare_tokens(ref.tokens, ref.margins, res.tokens, tolerance_for(torch.float32))
+        assert verdict.ok and len(res.tokens) == 20, f"request {i}: {verdict.describe()}"
+    stages = 2 if method == "ar" else 4
+    assert len(captured) >= 2 * stages and len(captured) % stages == 0  # graphs for at least two batch sizes
+    assert len(replays) > len(captured)  # most rounds replay

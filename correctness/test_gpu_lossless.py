@@ -109,3 +109,33 @@ def test_synthetic_hybrid_lossless_on_gpu():
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, target.model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 70)]
     assert check_pair(target, prompts, 48) == 1.0
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 15)])
+def test_batched_decoding_with_cuda_graphs_is_lossless_per_request(monkeypatch, method, budget):
+    """BatchDecoder on the GPU: stages captured as CUDA graphs per batch size and replayed (the batch shrinks as
+    requests finish), every request equal to its batch-1 AR output under the bf16 rule."""
+    from engine.batch import BatchDecoder
+
+    captures = []
+    real_capture = BatchDecoder._capture
+    monkeypatch.setattr(BatchDecoder, "_capture", staticmethod(lambda stage: captures.append(1) or real_capture(stage)))
+    target = engine.load_target("synthetic:qwen3-0.6b", "cuda", torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, target.model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 130, 40, 3, 64)]
+    refs = [engine.Decoder(target.model, cuda_graphs=False).generate(p, 48, record_margins=True) for p in prompts]
+    drafter = None
+    if method != "ar":
+        draft = engine.load_drafter("random:1", target)
+        drafter = engine.OracleDrafter([0], target.model.cfg.vocab_size, draft.block_size, device="cuda", cost=draft,
+                                       max_length=256)
+        for i, (p, r) in enumerate(zip(prompts, refs)):
+            drafter.add_reference(p, r.tokens, miss_rate=[0.1, 0.5, 0.9][i % 3])
+    decoder = BatchDecoder(target.model, drafter, engine.DecodeSettings(method, budget), rows=3)
+    assert decoder.cuda_graphs
+    for _ in range(2):  # the second call allocates again and captures again
+        results = decoder.generate(prompts, 48)
+        for i, (res, ref) in enumerate(zip(results, refs)):
+            verdict = compare_tokens(ref.tokens, ref.margins, res.tokens, tolerance_for(torch.bfloat16))
+            assert verdict.ok, f"{method} request {i}: {verdict.describe()}"
+    assert captures

@@ -12,13 +12,18 @@ that a round runs over the first `in_use` rows only and finished requests stop c
 
 Hybrid targets: their Gated DeltaNet layers follow a chain shared by the rows (AR, DFlash) or each row's own
 tree (DDTree), and commit replays each row's own accepted path; per-row trees and replays run one sequence at a
-time (a batched kernel over such schedules is future work). Rounds run eagerly (no CUDA graphs yet).
+time (a batched kernel over such schedules is future work).
+
+On a GPU each stage of a round over B rows is captured once per B as a CUDA graph over the batch's buffers (a
+graph per batch size: rows in use change as requests finish) and replayed; a round right after an admission runs
+eagerly (its draft reads a prompt's features), as does the first round at each B (the warm-up before capture).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -44,18 +49,33 @@ class _Request:
     started: float              # host clock at its first token
 
 
+@dataclass
+class _Batch:
+    """The device state of one generate() call, allocated once: graphs are captured over these tensors."""
+    cache: object                    # a ModelCache with own lengths, one row per sequence
+    tokens: torch.Tensor             # [rows, capacity + block + 1]: each row's prompt, committed ids, next bonus
+    features: torch.Tensor | None    # [rows, block, F]: context features of each row's last commit
+    n_features: torch.Tensor         # [rows]
+    round_out: torch.Tensor          # [rows, 1 + block]: the last round's accepted count and committed tokens
+    prompt_features: dict = field(default_factory=dict)  # row -> its prompt's features, read by its next draft
+    stages: dict = field(default_factory=dict)           # B -> the stages' intermediates (a namespace)
+    graphs: dict = field(default_factory=dict)           # B -> {stage: CUDA graph}
+    warm: set = field(default_factory=set)               # batch sizes that ran an eager round over static buffers
+
+
 class BatchDecoder:
     """Greedy decoding of many prompts, `rows` at a time, with AR, DFlash or DDTree per row."""
 
     def __init__(self, target: Transformer, drafter: Drafter | None = None, settings: DecodeSettings = DecodeSettings(),
-                 rows: int = 8):
+                 rows: int = 8, cuda_graphs: bool | None = None):
         if rows < 1:
             raise EngineError(f"rows (concurrency) must be >= 1, got {rows}")
-        # the single-sequence decoder's settings checks, sizes and memory estimate
-        self.one = Decoder(target, drafter, settings, cuda_graphs=False, run_ahead=False)
+        # the single-sequence decoder's settings checks, sizes, memory estimate and whether graphs can hold a round
+        self.one = Decoder(target, drafter, settings, cuda_graphs=cuda_graphs, run_ahead=False)
         self.target, self.settings, self.rows = target, settings, rows
         self.drafter, self.block, self.nodes = self.one.drafter, self.one.block_size, self.one.nodes
         self.feature_layers = self.one.feature_layers
+        self.cuda_graphs = self.one.cuda_graphs
 
     def check_fits(self, prompts: list[list[int]], max_new_tokens: int) -> int:
         """Refuse what cannot run (empty or out-of-vocabulary prompts, the position limit, memory for the rows of
@@ -81,14 +101,15 @@ class BatchDecoder:
         target, dev, block = self.target, self.target.device, self.block
         rows = min(self.rows, len(prompts))
         stop = set(stop_ids)
-        cache = target.new_cache(capacity, rows, own_lengths=True)
-        tokens = torch.zeros(rows, capacity + block + 1, dtype=torch.long, device=dev)
         width = len(self.feature_layers) * target.cfg.hidden_size
-        features = torch.zeros(rows, block, width, dtype=target.dtype, device=dev) if self.feature_layers else None
-        n_features = torch.zeros(rows, dtype=torch.long, device=dev)
+        batch = _Batch(
+            cache=target.new_cache(capacity, rows, own_lengths=True),
+            tokens=torch.zeros(rows, capacity + block + 1, dtype=torch.long, device=dev),
+            features=torch.zeros(rows, block, width, dtype=target.dtype, device=dev) if self.feature_layers else None,
+            n_features=torch.zeros(rows, dtype=torch.long, device=dev),
+            round_out=torch.zeros(rows, 1 + block, dtype=torch.long, device=dev))
         if self.drafter is not None:
             self.drafter.start(0, capacity, sequences=rows)
-        prompt_features: dict[int, torch.Tensor] = {}  # row -> its prompt's features, read by its next proposal
         queue = deque(enumerate(prompts))
         live: list[_Request | None] = [None] * rows
         results: list[GenerationResult | None] = [None] * len(prompts)
@@ -98,7 +119,7 @@ class BatchDecoder:
         def admit(row: int) -> None:
             """The next prompt into `row`: prefill it alone, its first token, its draft context reset."""
             index, prompt = queue.popleft()
-            view = cache.rows(row, 1)
+            view = batch.cache.rows(row, 1)
             view.reset()  # a new sequence: start 0, and a hybrid's recurrent state and conv window from zeros
             n = len(prompt)
             ids = torch.tensor(prompt, device=dev)
@@ -107,11 +128,11 @@ class BatchDecoder:
             view.keep_prefix(n)
             view.start.fill_(n)
             bonus = target.logits(hidden[0, -1:]).argmax(-1)
-            tokens[row, :n] = ids
-            tokens[row, n] = bonus[0]
+            batch.tokens[row, :n] = ids
+            batch.tokens[row, n] = bonus[0]
             if self.drafter is not None:
                 self.drafter.reset_sequence(row, prompt)
-                prompt_features[row] = feats[0]
+                batch.prompt_features[row] = feats[0]
             sync(dev)
             now = time.perf_counter()
             live[row] = _Request(index, prompt, [int(bonus)], [], now - submitted, now)  # waiting included
@@ -125,114 +146,150 @@ class BatchDecoder:
         def done(r: _Request) -> bool:
             return len(r.out) >= max_new_tokens or r.out[-1] in stop
 
+        def pack(in_use: int) -> int:
+            """Refill free rows from the queue; with the queue empty, move the last rows in use into the free ones.
+            The number of rows in use."""
+            for row in range(in_use):
+                while live[row] is None and queue:
+                    admit(row)
+                    if done(live[row]):
+                        finish(row)
+            while in_use and live[in_use - 1] is None:
+                in_use -= 1
+            row = 0
+            while row < in_use:
+                if live[row] is None:  # the last row in use is live (trailing free rows were dropped)
+                    self._move(batch, in_use - 1, row)
+                    live[row], live[in_use - 1] = live[in_use - 1], None
+                    while in_use and live[in_use - 1] is None:
+                        in_use -= 1
+                row += 1
+            return in_use
+
         submitted = time.perf_counter()  # every request is submitted at once
         for row in range(rows):
             admit(row)
             if done(live[row]):
                 finish(row)
-        in_use = self._pack(live, rows, queue, admit, finish, done, cache, tokens, features, n_features,
-                            prompt_features)
+        in_use = pack(rows)
         while in_use:
-            accepted, new = self._round(in_use, cache, tokens, features, n_features, prompt_features, timer)
+            out = self._round(batch, in_use, timer)
             n_rounds += 1
             for row in range(in_use):
-                r, a = live[row], int(accepted[row])
+                r, a = live[row], int(out[row, 0])
                 r.accepted.append(a)
-                for t in new[row, :a].tolist():  # up to the first stop token or the length limit
+                for t in out[row, 1:1 + a].tolist():  # up to the first stop token or the length limit
                     r.out.append(t)
                     if t in stop or len(r.out) == max_new_tokens:
                         break
                 if done(r):
                     finish(row)
-            in_use = self._pack(live, in_use, queue, admit, finish, done, cache, tokens, features, n_features,
-                                prompt_features)
+            in_use = pack(in_use)
         stage_ms = {k: v / max(1, n_rounds) for k, v in timer.totals_ms().items()}
         for r in results:
             r.stage_ms = stage_ms
         return results
 
-    def _pack(self, live, in_use, queue, admit, finish, done, cache, tokens, features, n_features, prompt_features):
-        """Refill free rows from the queue; with the queue empty, move the last rows in use into the free ones. The
-        number of rows in use."""
-        for row in range(in_use):
-            while live[row] is None and queue:
-                admit(row)
-                if done(live[row]):
-                    finish(row)
-        while in_use and live[in_use - 1] is None:
-            in_use -= 1
-        row = 0
-        while row < in_use:
-            if live[row] is None:  # the last row in use is live (trailing free rows were dropped)
-                last = in_use - 1
-                cache.move_row(last, row)
-                tokens[row].copy_(tokens[last])
-                n_features[row] = n_features[last]
-                if features is not None:
-                    features[row].copy_(features[last])
-                if self.drafter is not None:
-                    self.drafter.move_sequence(last, row)
-                if last in prompt_features:
-                    prompt_features[row] = prompt_features.pop(last)
-                live[row], live[last] = live[last], None
-                while in_use and live[in_use - 1] is None:
-                    in_use -= 1
-            row += 1
-        return in_use
-
-    def _round(self, B, cache, tokens, features, n_features, prompt_features, timer: StageTimer):
-        """One round over rows 0 .. B-1; every row's accepted count [B] and committed tokens [B, block] (host)."""
-        target, dev, block, nodes = self.target, self.target.device, self.block, self.nodes
-        view = cache.rows(0, B)
-        start = view.start
+    def _move(self, batch: _Batch, src: int, dst: int) -> None:
+        """Row src's sequence becomes row dst's: its cache rows, tokens, features and draft state."""
+        batch.cache.move_row(src, dst)
+        batch.tokens[dst].copy_(batch.tokens[src])
+        batch.n_features[dst] = batch.n_features[src]
+        if batch.features is not None:
+            batch.features[dst].copy_(batch.features[src])
         if self.drafter is not None:
-            with timer.stage("draft"):
-                feats, n_feats = features[:B], n_features[:B]
-                if prompt_features:  # a row admitted since the last round drafts from its whole prompt
-                    wide = max([block] + [f.shape[0] for f in prompt_features.values()])
-                    feats = torch.cat((feats, feats.new_zeros(B, wide - block, feats.shape[-1])), dim=1)
-                    n_feats = n_feats.clone()
-                    for row, f in prompt_features.items():
-                        feats[row, :f.shape[0]] = f
-                        n_feats[row] = f.shape[0]
-                    prompt_features.clear()
-                draft_logits = self.drafter.propose(DraftInput(tokens[:B], start, feats, n_feats))
-            with timer.stage("tree"):
-                if self.settings.method == "dflash":
-                    chain = RoundTree.chain(nodes, dev)
-                    tree = RoundTree(draft_logits.argmax(-1), chain.parents.expand(B, -1),
-                                     chain.depths.expand(B, -1), chain.visible.expand(B, -1, -1),
-                                     chain.n_nodes.expand(B))
+            self.drafter.move_sequence(src, dst)
+        if src in batch.prompt_features:
+            batch.prompt_features[dst] = batch.prompt_features.pop(src)
+
+    def _round(self, batch: _Batch, B: int, timer: StageTimer) -> torch.Tensor:
+        """One round over rows 0 .. B-1: every row's accepted count and committed tokens, [B, 1 + block] on the
+        host (the round's one host read)."""
+        stages = self._stages(batch, B)
+        eager = bool(batch.prompt_features) or not self.cuda_graphs
+        if not eager and B not in batch.graphs and B in batch.warm:
+            batch.graphs[B] = {name: self._capture(stage) for name, stage in stages.items()}
+        for name, stage in stages.items():
+            with timer.stage(name):
+                if not eager and B in batch.graphs:
+                    batch.graphs[B][name].replay()
                 else:
-                    k = min(self.settings.budget, self.settings.topk_cap, draft_logits.shape[-1])
-                    D = draft_logits.shape[1]
-                    logp, ids = topk_logprobs(draft_logits.reshape(B * D, -1), k)
-                    tree = RoundTree(*build_tree(logp.view(B, D, k), ids.view(B, D, k), self.settings.budget))
-        else:
-            empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
-            tree = RoundTree(empty, empty, empty, torch.ones(B, 1, 1, dtype=torch.bool, device=dev),
-                             torch.zeros(B, dtype=torch.long, device=dev))
-        with timer.stage("verify"):
-            bonus = tokens[:B].gather(1, start[:, None])
-            verify_ids = torch.cat((bonus, tree.tokens), dim=1)                          # [B, 1 + nodes]
-            positions = start[:, None] + torch.cat((torch.zeros_like(bonus), tree.depths), dim=1)
+                    stage()
+        if not eager:
+            batch.warm.add(B)
+        return batch.round_out[:B].cpu()
+
+    @staticmethod
+    def _capture(stage):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            stage()
+        return graph
+
+    def _stages(self, batch: _Batch, B: int) -> dict:
+        """The round's stages over rows 0 .. B-1, reading and writing the batch's buffers and the intermediates
+        namespace of this batch size (which a captured graph's tensors stay referenced from)."""
+        target, dev, block, nodes, s = self.target, self.target.device, self.block, self.nodes, self.settings
+        st = batch.stages.setdefault(B, SimpleNamespace(view=batch.cache.rows(0, B)))
+        start = st.view.start
+
+        def draft():
+            feats, n_feats = batch.features[:B], batch.n_features[:B]
+            if batch.prompt_features:  # a row admitted since the last round drafts from its whole prompt
+                wide = max([block] + [f.shape[0] for f in batch.prompt_features.values()])
+                feats = torch.cat((feats, feats.new_zeros(B, wide - block, feats.shape[-1])), dim=1)
+                n_feats = n_feats.clone()
+                for row, f in batch.prompt_features.items():
+                    feats[row, :f.shape[0]] = f
+                    n_feats[row] = f.shape[0]
+                batch.prompt_features.clear()
+            st.draft_logits = self.drafter.propose(DraftInput(batch.tokens[:B], start, feats, n_feats))
+
+        def tree():
+            if s.method == "dflash":
+                chain = RoundTree.chain(nodes, dev)
+                st.tree = RoundTree(st.draft_logits.argmax(-1), chain.parents.expand(B, -1),
+                                    chain.depths.expand(B, -1), chain.visible.expand(B, -1, -1),
+                                    chain.n_nodes.expand(B))
+            else:
+                k = min(s.budget, s.topk_cap, st.draft_logits.shape[-1])
+                D = st.draft_logits.shape[1]
+                logp, ids = topk_logprobs(st.draft_logits.reshape(B * D, -1), k)
+                st.tree = RoundTree(*build_tree(logp.view(B, D, k), ids.view(B, D, k), s.budget))
+
+        def verify():
+            if self.drafter is None:  # AR: the round verifies the bonus token alone
+                empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
+                st.tree = RoundTree(empty, empty, empty, torch.ones(B, 1, 1, dtype=torch.bool, device=dev),
+                                    torch.zeros(B, dtype=torch.long, device=dev))
+            bonus = batch.tokens[:B].gather(1, start[:, None])
+            st.verify_ids = torch.cat((bonus, st.tree.tokens), dim=1)                   # [B, 1 + nodes]
+            positions = start[:, None] + torch.cat((torch.zeros_like(bonus), st.tree.depths), dim=1)
             schedule = None  # a hybrid's Gated DeltaNet layers: a chain shared by the rows (AR, DFlash), or each tree
-            if target.cfg.hybrid and self.settings.method == "ddtree" and self.drafter is not None:
+            if target.cfg.hybrid and s.method == "ddtree" and self.drafter is not None:
                 schedule = [tree_schedule(torch.cat((start.new_full((1,), -1), p)), v, 1 + nodes,
                                           target.cfg.linear_conv_kernel, dev, max_depth=max(1, block - 1))
-                            for p, v in zip(tree.parents, tree.visible)]
-            hidden, verify_features = target(verify_ids, positions, view, tree.visible, self.feature_layers, schedule)
-            posterior = target.logits(hidden).argmax(-1)                                 # [B, 1 + nodes]
-        with timer.stage("commit"):
-            path, accepted, new_bonus = walk_tree(posterior, tree.tokens, tree.parents, tree.n_nodes, block - 1)
-            view.keep(path, accepted)
+                            for p, v in zip(st.tree.parents, st.tree.visible)]
+            hidden, st.verify_features = target(st.verify_ids, positions, st.view, st.tree.visible,
+                                                self.feature_layers, schedule)
+            st.posterior = target.logits(hidden).argmax(-1)                               # [B, 1 + nodes]
+
+        def commit():
+            t = st.tree
+            path, accepted, new_bonus = walk_tree(st.posterior, t.tokens, t.parents, t.n_nodes, block - 1)
+            st.view.keep(path, accepted)
             # committed tokens: the accepted nodes', then the bonus (entries past `accepted` are padding)
-            new = torch.cat((verify_ids.gather(1, path[:, 1:]), torch.zeros_like(bonus)), dim=1)  # [B, block]
+            new = torch.cat((st.verify_ids.gather(1, path[:, 1:]), torch.zeros_like(accepted)[:, None]), dim=1)
             new.scatter_(1, (accepted - 1)[:, None], new_bonus[:, None])
-            tokens[:B].scatter_(1, start[:, None] + torch.arange(1, block + 1, device=dev), new)
-            if features is not None:
-                features[:B].copy_(verify_features.gather(1, path[..., None].expand(-1, -1, features.shape[-1])))
-                n_features[:B].copy_(accepted)
+            batch.tokens[:B].scatter_(1, start[:, None] + torch.arange(1, block + 1, device=dev), new)
+            if batch.features is not None:
+                width = batch.features.shape[-1]
+                batch.features[:B].copy_(st.verify_features.gather(1, path[..., None].expand(-1, -1, width)))
+                batch.n_features[:B].copy_(accepted)
             start.add_(accepted)
-        out = torch.cat((accepted[:, None], new), dim=1).cpu()  # the round's one host read
-        return out[:, 0], out[:, 1:]
+            batch.round_out[:B, 0].copy_(accepted)
+            batch.round_out[:B, 1:].copy_(new)
+
+        if self.drafter is None:
+            return {"verify": verify, "commit": commit}
+        return {"draft": draft, "tree": tree, "verify": verify, "commit": commit}
