@@ -230,7 +230,9 @@ class BatchDecoder:
         """The round's stages over rows 0 .. B-1, reading and writing the batch's buffers and the intermediates
         namespace of this batch size (which a captured graph's tensors stay referenced from)."""
         target, dev, block, nodes, s = self.target, self.target.device, self.block, self.nodes, self.settings
-        st = batch.stages.setdefault(B, SimpleNamespace(view=batch.cache.rows(0, B)))
+        if B not in batch.stages:
+            batch.stages[B] = SimpleNamespace(view=batch.cache.rows(0, B))
+        st = batch.stages[B]
         start = st.view.start
 
         def draft():
