@@ -318,3 +318,42 @@ def test_batched_rounds_through_the_graph_path_stay_lossless(tiny_checkpoints, m
     stages = 2 if method == "ar" else 4
     assert len(captured) >= 2 * stages and len(captured) % stages == 0  # graphs for at least two batch sizes
     assert len(replays) > len(captured)  # most rounds replay
+
+
+@pytest.mark.cpu
+def test_a_batch_decoder_keeps_its_buffers_and_graphs_between_calls(tiny_checkpoints, monkeypatch):
+    """A second generate() of the same size reuses the first one's buffers and captured stages (no capture in a
+    timed run); another decoder re-allocating the shared drafter's buffers drops them; both stay lossless."""
+    from engine.batch import BatchDecoder
+    from engine.exactness import compare_tokens, tolerance_for
+
+    captured = []
+
+    class Replay:
+        def __init__(self, stage):
+            self.stage = stage
+
+        def replay(self):
+            self.stage()
+
+    monkeypatch.setattr(BatchDecoder, "_capture", staticmethod(lambda stage: captured.append(stage) or Replay(stage)))
+    target = engine.load_target(str(tiny_checkpoints["qwen3-gqa-untied-sharded"][0]), "cpu", torch.float32)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    refs = [engine.Decoder(target.model).generate(p, 12, record_margins=True) for p in prompts]
+    drafter = engine.load_drafter("random:1", target, 4)
+    first = BatchDecoder(target.model, drafter, engine.DecodeSettings("ddtree", 4), rows=3)
+    first.cuda_graphs = True
+
+    def check(results):
+        for res, ref in zip(results, refs):
+            assert compare_tokens(ref.tokens, ref.margins, res.tokens, tolerance_for(torch.float32)).ok
+
+    check(first.generate(prompts, 12))
+    n, batch = len(captured), first.batch
+    assert n > 0
+    check(first.generate(prompts, 12))
+    assert first.batch is batch and len(captured) == n  # the same buffers, nothing captured again
+    other = BatchDecoder(target.model, drafter, engine.DecodeSettings("ddtree", 4), rows=2)
+    check(other.generate(prompts[:2], 12))  # re-allocates the drafter's batch buffers
+    check(first.generate(prompts, 12))
+    assert len(captured) > n and first.batch is batch

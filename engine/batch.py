@@ -16,7 +16,7 @@ time (a batched kernel over such schedules is future work).
 
 On a GPU each stage of a round over B rows is captured once per B as a CUDA graph over the batch's buffers (a
 graph per batch size: rows in use change as requests finish) and replayed; a round right after an admission runs
-eagerly (its draft reads a prompt's features), as does the first round at each B (the warm-up before capture).
+eagerly (its draft reads a prompt's features), as does the first round at each B (the warm-up, captured after it).
 """
 from __future__ import annotations
 
@@ -60,7 +60,15 @@ class _Batch:
     prompt_features: dict = field(default_factory=dict)  # row -> its prompt's features, read by its next draft
     stages: dict = field(default_factory=dict)           # B -> the stages' intermediates (a namespace)
     graphs: dict = field(default_factory=dict)           # B -> {stage: CUDA graph}
-    warm: set = field(default_factory=set)               # batch sizes that ran an eager round over static buffers
+    drafter_buffers: tuple | None = None                 # the drafter buffers the graphs were captured over
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
 
 
 class BatchDecoder:
@@ -76,6 +84,7 @@ class BatchDecoder:
         self.drafter, self.block, self.nodes = self.one.drafter, self.one.block_size, self.one.nodes
         self.feature_layers = self.one.feature_layers
         self.cuda_graphs = self.one.cuda_graphs
+        self.batch: _Batch | None = None  # kept between calls of the same size, and its graphs with it
 
     def check_fits(self, prompts: list[list[int]], max_new_tokens: int) -> int:
         """Refuse what cannot run (empty or out-of-vocabulary prompts, the position limit, memory for the rows of
@@ -101,15 +110,25 @@ class BatchDecoder:
         target, dev, block = self.target, self.target.device, self.block
         rows = min(self.rows, len(prompts))
         stop = set(stop_ids)
-        width = len(self.feature_layers) * target.cfg.hidden_size
-        batch = _Batch(
-            cache=target.new_cache(capacity, rows, own_lengths=True),
-            tokens=torch.zeros(rows, capacity + block + 1, dtype=torch.long, device=dev),
-            features=torch.zeros(rows, block, width, dtype=target.dtype, device=dev) if self.feature_layers else None,
-            n_features=torch.zeros(rows, dtype=torch.long, device=dev),
-            round_out=torch.zeros(rows, 1 + block, dtype=torch.long, device=dev))
+        batch = self.batch
+        if batch is None or batch.capacity < capacity or batch.rows != rows:
+            width = len(self.feature_layers) * target.cfg.hidden_size
+            batch = self.batch = _Batch(
+                cache=target.new_cache(capacity, rows, own_lengths=True),
+                tokens=torch.zeros(rows, capacity + block + 1, dtype=torch.long, device=dev),
+                features=torch.zeros(rows, block, width, dtype=target.dtype, device=dev) if self.feature_layers
+                else None,
+                n_features=torch.zeros(rows, dtype=torch.long, device=dev),
+                round_out=torch.zeros(rows, 1 + block, dtype=torch.long, device=dev))
+        batch.cache.reset()
+        batch.prompt_features.clear()
         if self.drafter is not None:
-            self.drafter.start(0, capacity, sequences=rows)
+            self.drafter.start(0, batch.capacity, sequences=rows)
+            # graphs over drafter buffers that another decoder's request re-allocated would read freed memory
+            buffers = (getattr(self.drafter, "cache", None), getattr(self.drafter, "ranked_rows", None))
+            if batch.drafter_buffers is None or any(a is not b for a, b in zip(buffers, batch.drafter_buffers)):
+                batch.graphs.clear()
+                batch.drafter_buffers = buffers
         queue = deque(enumerate(prompts))
         live: list[_Request | None] = [None] * rows
         results: list[GenerationResult | None] = [None] * len(prompts)
@@ -207,17 +226,19 @@ class BatchDecoder:
         host (the round's one host read)."""
         stages = self._stages(batch, B)
         eager = bool(batch.prompt_features) or not self.cuda_graphs
-        if not eager and B not in batch.graphs and B in batch.warm:
-            batch.graphs[B] = {name: self._capture(stage) for name, stage in stages.items()}
+        replay = not eager and B in batch.graphs
         for name, stage in stages.items():
             with timer.stage(name):
-                if not eager and B in batch.graphs:
+                if replay:
                     batch.graphs[B][name].replay()
                 else:
                     stage()
-        if not eager:
-            batch.warm.add(B)
-        return batch.round_out[:B].cpu()
+        out = batch.round_out[:B].cpu()
+        if not eager and not replay:
+            # This batch size's first round ran eagerly over the static buffers (kernels compiled, buffers
+            # allocated): capture its stages now for the rounds to come (capturing runs nothing).
+            batch.graphs[B] = {name: self._capture(stage) for name, stage in stages.items()}
+        return out
 
     @staticmethod
     def _capture(stage):
