@@ -4,6 +4,9 @@ sequence's own accepted path. CPU, float32 (the kernels' batched forms are check
 test_kernel_*.py, under the Triton interpreter)."""
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import pytest
 import torch
 
@@ -277,28 +280,58 @@ def test_budget_policy_measures_real_passes(tiny_checkpoints):
     assert all(v["tok_s"] > 0 and v["round_ms"] > 0 for c in choices.values() for v in c.table.values())
 
 
+@contextlib.contextmanager
+def capture_rules():
+    """What the engine's code may not do in a stage that CUDA captures, enforced on a CPU: build a tensor from host
+    data (torch.tensor: a host-to-device copy, refused in capture) or read a tensor on the host (a synchronisation).
+    Calls from kernels/ pass: on a CPU their PyTorch references run, on a GPU the Triton kernels, which do neither."""
+    def refuse(name, original):
+        def f(*args, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("engine"):
+                raise AssertionError(f"{name} inside a captured stage")
+            return original(*args, **kwargs)
+        return f
+    saved = {(torch, "tensor"): torch.tensor}
+    saved.update({(torch.Tensor, n): getattr(torch.Tensor, n)
+                  for n in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")})
+    try:
+        for (owner, name) in saved:
+            setattr(owner, name, refuse(f"{getattr(owner, '__name__', owner)}.{name}", saved[owner, name]))
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+
+
+class Replay:
+    """A captured stage stood in for on a CPU: a replay runs the stage again under capture_rules()."""
+    def __init__(self, stage, replays=None):
+        self.stage, self.replays = stage, replays
+
+    def replay(self):
+        if self.replays is not None:
+            self.replays.append(self.stage.__name__)
+        with capture_rules():
+            self.stage()
+
+
 @pytest.mark.cpu
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
 @pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 6)])
-def test_batched_rounds_through_the_graph_path_stay_lossless(tiny_checkpoints, monkeypatch, method, budget):
+def test_batched_rounds_through_the_graph_path_stay_lossless(tiny_checkpoints, monkeypatch, method, budget, kind):
     """The CUDA-graph bookkeeping of BatchDecoder on a CPU: with capture stood in for by a replay that runs the stage
-    again, rounds after an admission and each batch size's first round run eagerly, later rounds replay the stages
-    captured for their batch size (the batch shrinks as requests finish), and every request still equals its batch-1
-    AR output. (On a GPU, correctness/test_gpu_lossless.py checks real graphs.)"""
+    again under capture_rules() (the engine builds no tensor from host data and reads none on the host), rounds after
+    an admission and each batch size's first round run eagerly, later rounds replay the stages captured for their
+    batch size (the batch shrinks as requests finish), and every request still equals its batch-1 AR output; on a
+    dense and a hybrid target. (On a GPU, correctness/test_gpu_lossless.py checks real graphs.)"""
     from engine.batch import BatchDecoder
     from engine.exactness import compare_tokens, tolerance_for
 
     captured, replays = [], []
-
-    class Replay:
-        def __init__(self, stage):
-            self.stage = stage
-
-        def replay(self):
-            replays.append(self.stage.__name__)
-            self.stage()
-
-    monkeypatch.setattr(BatchDecoder, "_capture", staticmethod(lambda stage: captured.append(stage) or Replay(stage)))
-    target = engine.load_target(str(tiny_checkpoints["qwen3-gqa-untied-sharded"][0]), "cpu", torch.float32)
+    monkeypatch.setattr(BatchDecoder, "_capture",
+                        staticmethod(lambda stage: captured.append(stage) or Replay(stage, replays)))
+    target = engine.load_target("synthetic:hybrid-tiny" if kind == "hybrid" else
+                                str(tiny_checkpoints["qwen3-gqa-untied-sharded"][0]), "cpu", torch.float32)
     vocab = target.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (4, 19, 9, 13, 2)]
@@ -328,14 +361,6 @@ def test_a_batch_decoder_keeps_its_buffers_and_graphs_between_calls(tiny_checkpo
     from engine.exactness import compare_tokens, tolerance_for
 
     captured = []
-
-    class Replay:
-        def __init__(self, stage):
-            self.stage = stage
-
-        def replay(self):
-            self.stage()
-
     monkeypatch.setattr(BatchDecoder, "_capture", staticmethod(lambda stage: captured.append(stage) or Replay(stage)))
     target = engine.load_target(str(tiny_checkpoints["qwen3-gqa-untied-sharded"][0]), "cpu", torch.float32)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]

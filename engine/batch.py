@@ -251,8 +251,8 @@ class BatchDecoder:
         """The round's stages over rows 0 .. B-1, reading and writing the batch's buffers and the intermediates
         namespace of this batch size (which a captured graph's tensors stay referenced from)."""
         target, dev, block, nodes, s = self.target, self.target.device, self.block, self.nodes, self.settings
-        if B not in batch.stages:
-            batch.stages[B] = SimpleNamespace(view=batch.cache.rows(0, B))
+        if B not in batch.stages:  # built here, outside the stages: a capture may not copy host data to the device
+            batch.stages[B] = SimpleNamespace(view=batch.cache.rows(0, B), chain=RoundTree.chain(nodes, dev))
         st = batch.stages[B]
         start = st.view.start
 
@@ -270,7 +270,7 @@ class BatchDecoder:
 
         def tree():
             if s.method == "dflash":
-                chain = RoundTree.chain(nodes, dev)
+                chain = st.chain
                 st.tree = RoundTree(st.draft_logits.argmax(-1), chain.parents.expand(B, -1),
                                     chain.depths.expand(B, -1), chain.visible.expand(B, -1, -1),
                                     chain.n_nodes.expand(B))
