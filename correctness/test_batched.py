@@ -237,6 +237,34 @@ def test_batched_decoding_gives_every_request_its_batch1_ar_output(tiny_checkpoi
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_first_prompts_are_prefilled_together_where_padding_pays(tiny_checkpoints, monkeypatch, kind):
+    """The first rows' prompts share one prefill pass where padding them to the longest at most doubles the work
+    (lengths 3, 5, 4 together; 40 alone); a hybrid target prefills one prompt at a time (a pad would enter its
+    recurrent state); every request equals its batch-1 AR output."""
+    from engine.batch import BatchDecoder
+    from engine.exactness import compare_tokens, tolerance_for
+
+    target = engine.load_target("synthetic:hybrid-tiny" if kind == "hybrid" else
+                                str(tiny_checkpoints["qwen3-gqa-untied-sharded"][0]), "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, target.model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (3, 5, 4, 40)]
+    refs = [engine.Decoder(target.model).generate(p, 10, record_margins=True) for p in prompts]
+    prefills, forward = [], type(target.model).forward
+
+    def spy(model, tokens, positions, *args, **kwargs):
+        if int(positions[:, 0].max()) == 0:  # every row from position 0: a prefill
+            prefills.append(tuple(tokens.shape))
+        return forward(model, tokens, positions, *args, **kwargs)
+
+    monkeypatch.setattr(type(target.model), "forward", spy)
+    results = BatchDecoder(target.model, None, engine.DecodeSettings("ar"), rows=4).generate(prompts, 10)
+    for i, (res, ref) in enumerate(zip(results, refs)):
+        assert compare_tokens(ref.tokens, ref.margins, res.tokens, tolerance_for(torch.float32)).ok, f"request {i}"
+    assert prefills == ([(3, 5), (1, 40)] if kind == "dense" else [(1, 3), (1, 5), (1, 4), (1, 40)])
+
+
+@pytest.mark.cpu
 def test_budget_policy_picks_smaller_trees_as_concurrency_grows(monkeypatch):
     """engine.budget.choose_budgets: tok/s = c * tau(b) / (draft + verify(c, 1 + b)). With a verify pass that costs
     a fixed 5 ms plus 0.1 ms per row of the batch (weights first, arithmetic later) and tau rising with the budget,

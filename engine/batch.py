@@ -5,9 +5,10 @@ committed length (a cache with own lengths: `start` [rows]), its own draft conte
 acceptance. A round is the single-sequence round of engine/decode.py over the rows in use: draft, tree, verify,
 commit, then one host read of every row's accepted count and tokens.
 
-Continuous batching: a request that finishes (a stop token or its length) frees its row, which takes the next
-prompt from the queue; the prompt is prefilled alone into that row (a row view of the cache) and the row's next
-proposal reads the prompt's features. When the queue is empty, the last row in use moves into the freed row, so
+Continuous batching: the first prompts are prefilled together (one forward pass over prompts padded at their
+ends, where that at most doubles the work; a hybrid's one at a time); a request that finishes (a stop token or its
+length) frees its row, which takes the next prompt from the queue, prefilled into that row (a row view of the
+cache); a row's next proposal reads its prompt's features. When the queue is empty, the last row in use moves into the freed row, so
 that a round runs over the first `in_use` rows only and finished requests stop costing work.
 
 Hybrid targets: their Gated DeltaNet layers follow a chain shared by the rows (AR, DFlash) or each row's own
@@ -37,6 +38,9 @@ from .errors import EngineError
 from .model import Transformer
 from .memory import available_bytes, gib
 from .timing import StageTimer, sync
+
+
+PREFILL_MASK_ENTRIES = 1 << 24  # prompts prefilled together: at most this many causal-mask entries (rows x T x T)
 
 
 @dataclass
@@ -135,26 +139,55 @@ class BatchDecoder:
         timer = StageTimer(dev)
         n_rounds = 0
 
-        def admit(row: int) -> None:
-            """The next prompt into `row`: prefill it alone, its first token, its draft context reset."""
-            index, prompt = queue.popleft()
-            view = batch.cache.rows(row, 1)
-            view.reset()  # a new sequence: start 0, and a hybrid's recurrent state and conv window from zeros
-            n = len(prompt)
-            ids = torch.tensor(prompt, device=dev)
-            causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-            hidden, feats = target(ids[None], torch.arange(n, device=dev)[None], view, causal, self.feature_layers)
-            view.keep_prefix(n)
-            view.start.fill_(n)
-            bonus = target.logits(hidden[0, -1:]).argmax(-1)
-            batch.tokens[row, :n] = ids
-            batch.tokens[row, n] = bonus[0]
-            if self.drafter is not None:
-                self.drafter.reset_sequence(row, prompt)
-                batch.prompt_features[row] = feats[0]
+        def admit(first: int, count: int = 1) -> None:
+            """The next `count` prompts into rows first .. first + count - 1: prefilled in one forward pass (each
+            row causal over its own prompt, padded at the end to the longest: a real token never sees a pad, and
+            a pad's cache slots lie past its row's committed length, overwritten by its first round), their first
+            tokens, their draft contexts reset."""
+            items = [queue.popleft() for _ in range(count)]
+            view = batch.cache.rows(first, count)
+            view.reset()  # new sequences: start 0, and a hybrid's recurrent state and conv window from zeros
+            lengths = [len(p) for _, p in items]
+            T = max(lengths)
+            ids = torch.zeros(count, T, dtype=torch.long)
+            for i, (_, prompt) in enumerate(items):
+                ids[i, :len(prompt)] = torch.tensor(prompt)
+            ids = ids.to(dev)
+            causal = torch.ones(count, T, T, dtype=torch.bool, device=dev).tril()
+            hidden, feats = target(ids, torch.arange(T, device=dev).expand(count, T), view, causal,
+                                   self.feature_layers)
+            view.keep_prefix(T)  # a hybrid's recurrent state and conv window (hybrids admit one prompt at a time)
+            n = torch.tensor(lengths, device=dev)
+            view.start.copy_(n)
+            bonus = target.logits(hidden[torch.arange(count, device=dev), n - 1]).argmax(-1)   # [count]
+            span = slice(first, first + count)
+            batch.tokens[span, :T] = ids
+            batch.tokens[span].scatter_(1, n[:, None], bonus[:, None])
+            bonus = bonus.tolist()
             sync(dev)
             now = time.perf_counter()
-            live[row] = _Request(index, prompt, [int(bonus)], [], now - submitted, now)  # waiting included
+            for i, (index, prompt) in enumerate(items):
+                if self.drafter is not None:
+                    self.drafter.reset_sequence(first + i, prompt)
+                    batch.prompt_features[first + i] = feats[i, :lengths[i]]
+                live[first + i] = _Request(index, prompt, [bonus[i]], [], now - submitted, now)  # waiting included
+
+        def admit_together(rows_free: int) -> None:
+            """Fill rows 0 .. rows_free - 1 from the queue, prefilling neighbouring prompts together where padding
+            at most doubles the work and the causal masks stay small; a hybrid target one prompt at a time (a pad
+            would enter its recurrent state)."""
+            row = 0
+            while row < rows_free and queue:
+                lengths = [len(p) for _, p in list(queue)[:rows_free - row]]
+                count = 1
+                while not target.cfg.hybrid and count < len(lengths):
+                    group = lengths[:count + 1]
+                    T = max(group)
+                    if T * len(group) > 2 * sum(group) or len(group) * T * T > PREFILL_MASK_ENTRIES:
+                        break
+                    count += 1
+                admit(row, count)
+                row += count
 
         def finish(row: int) -> None:
             r = live[row]
@@ -170,7 +203,7 @@ class BatchDecoder:
             The number of rows in use."""
             for row in range(in_use):
                 while live[row] is None and queue:
-                    admit(row)
+                    admit(row)  # rows free up one at a time, mostly
                     if done(live[row]):
                         finish(row)
             while in_use and live[in_use - 1] is None:
@@ -186,8 +219,8 @@ class BatchDecoder:
             return in_use
 
         submitted = time.perf_counter()  # every request is submitted at once
+        admit_together(rows)
         for row in range(rows):
-            admit(row)
             if done(live[row]):
                 finish(row)
         in_use = pack(rows)

@@ -19,6 +19,7 @@ from .decode import DecodeSettings, Decoder, GenerationResult
 from .errors import EngineError
 from .exactness import compare_tokens, tolerance_for
 from .oracle import OracleDrafter
+from .results import sm_clock_mhz
 from .workloads import HELDOUT_METHODS, HELDOUT_TOKENS, LENGTHS, TOPK_CAP, heldout_prompts, prompt_ids
 
 
@@ -123,12 +124,13 @@ class Bench:
         """One combination's record: tok/s median/min/max over the timed runs, tau, acceptance lengths, rounds, median
         ms per round per stage, TTFT, and the exactness verdict against the AR reference."""
         m, decoder, ids, reference = self._ready(workload, new_tokens, method)
-        runs = []
+        runs, clocks = [], []
         for _ in range(self.warmup + self.repeats):
             runs.append(decoder.generate(ids, new_tokens, self.stop))
+            clocks.append(sm_clock_mhz(self.target.model.device))
             if on_run is not None:
                 on_run()
-        runs = runs[self.warmup:]
+        runs, clocks = runs[self.warmup:], clocks[self.warmup:]
         first = runs[0]
         verdict = compare_tokens(reference.tokens, reference.margins, first.tokens, self.tolerance)
         tok_s = [r.tok_s for r in runs]
@@ -138,6 +140,7 @@ class Bench:
                     acceptance_lengths=first.acceptance_lengths,
                     stage_ms={k: statistics.median(r.stage_ms.get(k, 0.0) for r in runs) for k in first.stage_ms},
                     ttft_ms=statistics.median(r.prefill_s for r in runs) * 1e3,
+                    sm_clock_mhz=clocks if any(c is not None for c in clocks) else None,
                     lossless=verdict.ok, exactness=verdict.describe())
 
     def measure_heldout(self, method: str | Method, new_tokens: int = HELDOUT_TOKENS) -> dict:

@@ -132,6 +132,17 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def sm_clock_mhz(device) -> int | None:
+    """The GPU's SM clock now (NVML, through torch's device-index mapping); None off a GPU or without NVML. Read after
+    each timed run: process-to-process speed differences of a small model at equal tau are checked against it."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    try:
+        return int(torch.cuda.clock_rate(device))
+    except Exception:  # no NVML, or a driver without the query
+        return None
+
+
 def gpu_telemetry(index: int = 0) -> dict | None:
     """Name, driver, clocks, power, temperature and throttle reasons of a GPU through NVML (no CUDA context)."""
     try:

@@ -137,6 +137,9 @@ def judge(head: list[dict], base: list[dict], threshold: float, allow_tau_change
             notes.append(f"head faster: {ratio:.3f}x")
     else:
         problems.append(f"no tok/s to compare (head {h}, base {b})")
+    clocks = [c for r in head + base for c in (r.get("sm_clock_mhz") or []) if c]
+    if clocks and min(clocks) < 0.95 * max(clocks):  # a slow process may be a slow clock (docs/performance.md)
+        notes.append(f"SM clock after the timed runs ranged {min(clocks)}-{max(clocks)} MHz")
     verdict = ("ok" if not problems else "LOSSY" if lossy else "SLOWER" if any("slower" in p for p in problems)
                else "TAU" if head_tau != base_tau else "FAIL")
     return dict(verdict=verdict, ratio=ratio, low=low, high=high, problems=problems, notes=notes,
@@ -387,7 +390,7 @@ class BaselineGate:
     def _write(self, runs) -> None:
         from engine.results import gpu_telemetry, write_json
 
-        keep = ("tok_s_median", "tok_s_min", "tok_s_max", "tau", "lossless", "exactness", "stage_ms")
+        keep = ("tok_s_median", "tok_s_min", "tok_s_max", "tau", "lossless", "exactness", "stage_ms", "sm_clock_mhz")
         comparisons = []
         for key, by_side in runs.items():
             entry = dict(zip(("tp", "pair", "workload", "length", "method"), key))

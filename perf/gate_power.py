@@ -60,7 +60,9 @@ def verdicts(records: dict, threshold: float) -> list[dict]:
                 out.append(dict(pair=pair, workload=workload, length=length, method=method, arm=arm,
                                 verdict=v["verdict"], ratio=v["ratio"], low=v["low"], high=v["high"],
                                 problems=v["problems"], arm_tok_s=v["head_tok_s"], base_tok_s=v["base_tok_s"],
-                                tau=v["head_tau"], base_tau=v["base_tau"]))
+                                tau=v["head_tau"], base_tau=v["base_tau"], notes=v["notes"],
+                                arm_sm_clock_mhz=[r.get("sm_clock_mhz") for r in recs],
+                                base_sm_clock_mhz=[r.get("sm_clock_mhz") for r in by_arm["base"]]))
     return out
 
 

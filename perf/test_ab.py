@@ -48,6 +48,16 @@ def test_equal_samples_pass():
     assert v["low"] < 1 < v["high"]
 
 
+def test_processes_at_different_sm_clocks_are_noted_not_failed():
+    head, base = records([100.0, 101, 99, 100, 100]), records([100.0, 100, 101, 99, 100])
+    for r in head + base:
+        r["sm_clock_mhz"] = [1980, 1980, 1980]
+    assert not judge(head, base, 0.03)["notes"]
+    base[1]["sm_clock_mhz"] = [1500, 1515, 1980]
+    v = judge(head, base, 0.03)
+    assert v["verdict"] == "ok" and v["notes"] == ["SM clock after the timed runs ranged 1500-1980 MHz"]
+
+
 def test_five_percent_slower_with_tight_noise_fails():
     rng = random.Random(1)
     v = judge(records(noisy(rng, 95, 0.003)), records(noisy(rng, 100, 0.003)), threshold=0.03)
