@@ -2,11 +2,12 @@
 head, uncommitted changes included) in one job on one device, and fails a combination whose head is slower than the
 base beyond a threshold with confidence, whose acceptance length changed, or whose output is not lossless.
 
-How: REV is exported (`git archive`) to a temporary tree. Each selected (width, pair) is measured by
-`python -m engine bench --json` (under torchrun for widths above 1), run from the head's tree and from the base's
-alternately, each run a fresh process whose working directory and PYTHONPATH are its tree, in rounds ordered
-head-base, base-head, head-base, ... so that a drift over the job (clocks, temperature) favours neither side. Both
-sides go through the bench CLI, so any commit whose `bench` writes `runs` records can be the base.
+How: REV is exported (`git archive`) to a temporary tree. Each selected (width, pair) is measured by the bench CLI
+(`engine bench --json`), from the head's tree and from the base's alternately, in fresh processes whose working
+directory and PYTHONPATH are their tree: in each round one process per side runs every width-1 pair in turn (the
+engine imported once), and each wider pair runs in its own torchrun. Rounds are ordered head-base, base-head,
+head-base, ... so that a drift over the job (clocks, temperature) favours neither side. Both sides go through the
+bench CLI, so any commit whose `engine.cli.main` runs `bench` and writes `runs` records can be the base.
 
 Statistics (judge, ratio_interval): one sample per side and round, the process's median tok/s over its timed runs
 (the noise that matters is between processes: memory placement, clocks, compilation). head/base is estimated by
@@ -186,26 +187,67 @@ class Side:
             raise SideError(f"the {self.name} side imports the engine from {out or 'nowhere'}, not {self.root}",
                             usage=False)
 
-    def bench(self, args: list[str], tp: int, timeout: float = TIMEOUT_S) -> dict:
-        """Run `-m engine bench ARGS --json FILE` from this tree in a fresh process; its results file."""
+    def bench(self, requests: list[list[str]], tp: int = 1, timeout: float = TIMEOUT_S) -> list:
+        """Run `engine bench REQUEST --json FILE` for each request from this tree in one fresh process: its results
+        file, or the SideError of that request. At width 1 the process imports the engine and makes its CUDA context
+        once for all requests (every pair of a round: a third of a pre-merge process was that startup); a wider
+        request runs alone under torchrun."""
+        if tp > 1 and len(requests) != 1:
+            raise ValueError("a tensor-parallel bench process takes one request")
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "bench.json"
-            launcher = [] if tp == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}"]
-            cmd = [sys.executable, *launcher, "-m", "engine", "bench", *args, "--json", str(out)]
+            outs = [Path(tmp) / f"bench{i}.json" for i in range(len(requests))]
+            codes = Path(tmp) / "exit_codes.json"
+            calls = [["bench", *args, "--json", str(out)] for args, out in zip(requests, outs)]
+            if tp == 1:
+                cmd = [sys.executable, "-c", _RUNNER, json.dumps(calls), str(codes)]
+            else:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}",
+                       "-m", "engine", *calls[0]]
             with subprocess.Popen(cmd, cwd=self.root, env=self.environ(), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True) as p:
                 try:
-                    log, _ = p.communicate(timeout=timeout)
+                    log, _ = p.communicate(timeout=timeout * len(requests))
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)  # torchrun's ranks too: they share its session
                     log, _ = p.communicate()
-                    raise SideError(f"{self.name}: bench did not finish in {timeout:.0f} s\n{log[-3000:]}", usage=False)
-            # exit 1 is a lossy method: its results are written, and judge() fails it
-            if p.returncode in (0, 1) and out.exists():
-                return json.loads(out.read_text())
-            errors = [line for line in log.splitlines() if line.startswith("error:")]
-            raise SideError(f"{self.name}: `{' '.join(cmd[1:])}` exited {p.returncode}: "
-                            f"{errors[-1] if errors else log[-3000:]}", usage=p.returncode == 2)
+                    return [SideError(f"{self.name}: bench did not finish in {timeout * len(requests):.0f} s\n"
+                                      f"{log[-3000:]}", usage=False)] * len(requests)
+            exits = json.loads(codes.read_text()) if codes.exists() else [p.returncode]
+            logs = log.split(_MARK) if tp == 1 else [log]
+            results = []
+            for i, out in enumerate(outs):
+                rc = exits[i] if i < len(exits) else p.returncode
+                part = logs[i + 1] if tp == 1 and i + 1 < len(logs) else log
+                if rc in (0, 1) and out.exists():  # exit 1 is a lossy method: its results are written, judge() fails it
+                    results.append(json.loads(out.read_text()))
+                    continue
+                errors = [line for line in part.splitlines() if line.startswith("error:")]
+                results.append(SideError(f"{self.name}: `engine {' '.join(calls[i])}` exited {rc}: "
+                                         f"{errors[-1] if errors else part[-3000:]}", usage=rc == 2))
+            return results
+
+
+_MARK = "\n--- perf.ab: next bench request ---\n"
+# One process, several `engine bench` calls (any commit whose engine.cli has main(argv)); each call's exit code is
+# written after it, so that a crash leaves the earlier results usable. Memory is handed back between calls.
+_RUNNER = f"""
+import gc, json, sys
+import torch
+from engine.cli import main
+calls, codes, exits = json.loads(sys.argv[1]), sys.argv[2], []
+for call in calls:
+    print({_MARK!r}, flush=True)
+    try:
+        rc = main(call)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 2
+    exits.append(rc)
+    with open(codes, "w") as f:
+        json.dump(exits, f)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+"""
 
 
 def bench_args(pair, tp: int, workloads: list[str], methods: list[str], lengths: dict[str, int]) -> list[str]:
@@ -344,40 +386,48 @@ class BaselineGate:
         for side in sides:
             side.check_import()
         runs: dict[tuple, dict[str, list[dict]]] = {}
-        self._progress(f"A/B: {len(groups)} (width, pair) groups x {self.rounds} rounds x 2 sides, fresh processes")
+        # a process per side and round: every width-1 pair in one, each wider pair in its own torchrun
+        batches = [[key for key in groups if key[0] == 1]] + [[key] for key in groups if key[0] > 1]
+        batches = [b for b in batches if b]
+        self._progress(f"A/B: {len(groups)} (width, pair) groups in {len(batches)} fresh processes a side x "
+                       f"{self.rounds} rounds x 2 sides")
         for r in range(self.rounds):
-            for (tp, pair), (workloads, methods) in groups.items():
+            for batch in batches:
                 for side in sides if r % 2 == 0 else sides[::-1]:  # head-base, base-head, ...
-                    if (tp, pair) in self.skips or (tp, pair) in self.failures:
-                        continue
-                    self._run(side, r, tp, pair, pairs[pair], workloads, methods, runs)
-                    self._write(runs)
+                    todo = [key for key in batch if key not in self.skips and key not in self.failures]
+                    if todo:
+                        self._run(side, r, [(key, pairs[key[1]], *groups[key]) for key in todo], runs)
+                        self._write(runs)
         for key, by_side in runs.items():
             if (key[0], key[1]) not in self.skips and (key[0], key[1]) not in self.failures:
                 self.results[key] = dict(judge(by_side["head"], by_side["base"], self.threshold, self.allow_tau),
                                          head_runs=by_side["head"], base_runs=by_side["base"])
         self._write(runs)
 
-    def _run(self, side: Side, r: int, tp: int, pair: str, spec, workloads, methods, runs) -> None:
+    def _run(self, side: Side, r: int, todo: list, runs) -> None:
+        """One process of `side` in round r over todo: ((tp, pair), spec, workloads, methods) of one width."""
+        tp = todo[0][0][0]
         t0 = time.perf_counter()
-        try:
-            result = side.bench(bench_args(spec, tp, workloads, methods, self.lengths), tp)
-        except SideError as e:
-            if e.usage and side.name == "base":
-                self.skips[(tp, pair)] = f"the base cannot run {pair}: {e}"
-            else:
-                self.failures[(tp, pair)] = str(e)
-            result = None
+        results = side.bench([bench_args(spec, tp, workloads, methods, self.lengths)
+                              for _, spec, workloads, methods in todo], tp)
         seconds = time.perf_counter() - t0
-        self.processes.append(dict(round=r, side=side.name, tp=tp, pair=pair, seconds=round(seconds, 2),
-                                   ok=result is not None,
-                                   environment=result.get("environment") if result else None))
-        self._progress(f"A/B round {r + 1}/{self.rounds}: {side.name} tp{tp} {pair} "
-                       f"{'done' if result else 'FAILED'} in {seconds:.1f} s")
-        for record in result["runs"] if result else []:
-            if record["workload"] in workloads and record["method"] in methods:  # bench adds AR to every run
-                key = (tp, pair, record["workload"], record["length"], record["method"])
-                runs.setdefault(key, {"head": [], "base": []})[side.name].append(record)
+        for ((tp, pair), _, workloads, methods), result in zip(todo, results):
+            if isinstance(result, SideError):
+                if result.usage and side.name == "base":
+                    self.skips[(tp, pair)] = f"the base cannot run {pair}: {result}"
+                else:
+                    self.failures[(tp, pair)] = str(result)
+                result = None
+            self.processes.append(dict(round=r, side=side.name, tp=tp, pair=pair, seconds=round(seconds, 2),
+                                       pairs_in_process=len(todo), ok=result is not None,
+                                       environment=result.get("environment") if result else None))
+            for record in result["runs"] if result else []:
+                if record["workload"] in workloads and record["method"] in methods:  # bench adds AR to every run
+                    key = (tp, pair, record["workload"], record["length"], record["method"])
+                    runs.setdefault(key, {"head": [], "base": []})[side.name].append(record)
+        failed = [key[1] for key, *_ in todo if key in self.failures or key in self.skips]
+        self._progress(f"A/B round {r + 1}/{self.rounds}: {side.name} tp{tp} {', '.join(k[1] for k, *_ in todo)} "
+                       f"{'FAILED ' + ', '.join(failed) if failed else 'done'} in {seconds:.1f} s")
 
     def _progress(self, line: str) -> None:
         """A line on the terminal while a test runs (minutes of silence would look like a hang in a CI log)."""

@@ -6,7 +6,7 @@ is caught, measured with the gate's own processes and verdicts (perf/ab.py).
 
 Arms: the base (REV, default HEAD, exported as the gate exports it), the head (this checkout) and the head with each
 planted slowdown (ENGINE_PLANT_SLOWDOWN=F, engine/plant.py). A run is the gate's number of rounds; in each round every
-arm runs one bench process per pair, with the gate's arguments (perf.ab.bench_args, the pre-merge workloads and
+arm runs one bench process over every pair (as the gate does), with the gate's arguments (perf.ab.bench_args, the pre-merge workloads and
 methods), in an order that rotates from round to round. Each run is judged as the gate judges (perf.ab.judge): the
 head against the base is an A/A run, which must pass; each plant against the base is a planted run, which should
 fail "head slower". The base's processes of a run serve all its comparisons (a third fewer processes than separate
@@ -33,16 +33,21 @@ def arms(base_tree, plants: list[float]) -> list[Side]:
 
 
 def run_once(sides: list[Side], chosen: dict, lengths: dict, rounds: int, processes: list, progress) -> dict:
-    """One run: `rounds` rounds of every arm on every pair; {(pair, workload, length, method): {arm: [records]}}."""
+    """One run: `rounds` rounds in which every arm runs one process over every pair, as the gate does;
+    {(pair, workload, length, method): {arm: [records]}}."""
     records: dict[tuple, dict[str, list]] = {}
+    requests = [bench_args(spec, 1, list(workloads), list(methods), lengths)
+                for spec, workloads, methods in chosen.values()]
     for r in range(rounds):
-        for name, (spec, workloads, methods) in chosen.items():
-            for side in sides[r % len(sides):] + sides[:r % len(sides)]:
-                t0 = time.perf_counter()
-                result = side.bench(bench_args(spec, 1, list(workloads), list(methods), lengths), 1)
-                seconds = time.perf_counter() - t0
-                processes.append(dict(round=r, arm=side.name, pair=name, seconds=round(seconds, 2)))
-                progress(f"round {r + 1}/{rounds}: {side.name} {name} in {seconds:.1f} s")
+        for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+            t0 = time.perf_counter()
+            results = side.bench(requests, 1)
+            seconds = time.perf_counter() - t0
+            processes.append(dict(round=r, arm=side.name, pairs=list(chosen), seconds=round(seconds, 2)))
+            progress(f"round {r + 1}/{rounds}: {side.name} {', '.join(chosen)} in {seconds:.1f} s")
+            for (name, (spec, workloads, methods)), result in zip(chosen.items(), results):
+                if isinstance(result, SideError):
+                    raise result
                 for rec in result["runs"]:
                     if rec["workload"] in workloads and rec["method"] in methods:  # bench adds AR references
                         key = (name, rec["workload"], rec["length"], rec["method"])

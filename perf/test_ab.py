@@ -172,32 +172,53 @@ def test_a_a_passes_and_planted_slowdown_fails(snapshot, tmp_path):
     assert c["verdict"] == "SLOWER" and c["high"] < 0.8 and c["head_tau"] == c["base_tau"]
 
 
+def test_one_process_runs_several_bench_requests_and_reports_each(tmp_path):
+    """Side.bench at width 1: every request in one fresh process, each with its own results or its own error (a
+    base that does not know a pair's preset is a usage error of that request alone; the next still runs)."""
+    from perf.ab import Side, SideError
+
+    good = ["--target", "synthetic:hybrid-tiny", "--draft", "none", "--methods", "ar", "--workloads", "fib",
+            "--lengths", "x=3", "--repeats", "1", "--warmup", "0"]
+    bad = [*good[:1], "synthetic:no-such-preset", *good[2:]]
+    first, error, last = Side("head", ROOT).bench([good, bad, good])
+    assert [r["method"] for r in first["runs"]] == ["ar"] == [r["method"] for r in last["runs"]]
+    assert isinstance(error, SideError) and error.usage and "no-such-preset" in str(error)
+    assert "exited 2" in str(error) and "error:" in str(error)
+
+
 def test_gate_power_rotates_arms_and_judges_each_against_the_base(monkeypatch):
-    """perf.gate_power: in a run every arm runs once a round per pair, in an order that rotates, and each arm is
-    judged against the base with the gate's verdict: an A/A arm passes, a planted 10% arm fails "head slower"."""
+    """perf.gate_power: in a run every arm runs one process a round over every pair (as the gate does), in an order
+    that rotates, and each arm is judged against the base with the gate's verdict: an A/A arm passes, a planted 10%
+    arm fails "head slower"."""
     from perf import gate_power
     from perf.ab import Side
 
     rng, order = random.Random(3), []
     speed = {"base": 100.0, "head": 100.0, "plant 0.1": 100.0 / 1.1}
 
-    def bench(self, args, tp):
+    def bench(self, requests, tp):
         order.append(self.name)
-        workloads = args[args.index("--workloads") + 1].split(",")
-        methods = args[args.index("--methods") + 1].split(",")
-        return {"runs": [dict(workload=w, length="short", method=m, tau=2.5, lossless=True, exactness="identical",
-                              tok_s_median=speed[self.name] * (1 + rng.gauss(0, 0.002)))
-                         for w in workloads for m in dict.fromkeys(["ar", *methods])]}
+        assert tp == 1 and len(requests) == 2  # both pairs in one process
+        results = []
+        for args in requests:
+            workloads = args[args.index("--workloads") + 1].split(",")
+            methods = args[args.index("--methods") + 1].split(",")
+            results.append({"runs": [dict(workload=w, length="short", method=m, tau=2.5, lossless=True,
+                                          exactness="identical", tok_s_median=speed[self.name] * (1 + rng.gauss(0, 0.002)))
+                                     for w in workloads for m in dict.fromkeys(["ar", *methods])]})
+        return results
 
     monkeypatch.setattr(Side, "bench", bench)
     sides = gate_power.arms("unused", [0.1])
-    spec = pairs(False)["default"]
+    cpu_pairs = pairs(False)
     processes = []
-    records = gate_power.run_once(sides, {"default": (spec, ("fib",), ("dflash", "ddtree-15"))}, {"short": 32}, 5,
-                                  processes, lambda line: None)
+    records = gate_power.run_once(sides, {"default": (cpu_pairs["default"], ("fib",), ("dflash", "ddtree-15")),
+                                          "default-synthetic": (cpu_pairs["default-synthetic"], ("json",), ("ar",))},
+                                  {"short": 32}, 5, processes, lambda line: None)
     assert order == ["base", "head", "plant 0.1", "head", "plant 0.1", "base", "plant 0.1", "base", "head",
                      "base", "head", "plant 0.1", "head", "plant 0.1", "base"]
-    assert len(processes) == 15 and set(records) == {("default", "fib", "short", m) for m in ("dflash", "ddtree-15")}
+    assert len(processes) == 15 and set(records) == {("default", "fib", "short", m) for m in ("dflash", "ddtree-15")} | {
+        ("default-synthetic", "json", "short", "ar")}
     verdicts = {(v["arm"], v["method"]): v for v in gate_power.verdicts(records, 0.03)}
     assert all(len(r["base"]) == 5 for r in records.values())  # the AR references of a ddtree-only run are dropped
     for m in ("dflash", "ddtree-15"):
