@@ -29,6 +29,26 @@ def assert_interpreted_ok(module: str, check: str) -> None:
         f"interpreter check {check} failed\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
 
 
+def assert_close_ulps(got: torch.Tensor, want: torch.Tensor, context: str, *, fp32_tol: float, atol: float,
+                      rtol: float, max_differing: float) -> None:
+    """A kernel's output against its reference: float32 within fp32_tol (absolute and relative); a 16-bit type
+    elementwise within atol + rtol |want| (a few ulps: one rounding placed on another float32 sum) with at most
+    `max_differing` of the elements differing at all (a rounding placed at the wrong point makes many differ)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{context}: {tuple(got.shape)} {got.dtype} vs {tuple(want.shape)} {want.dtype}"
+    g, w = got.float().cpu(), want.float().cpu()
+    assert not g.isnan().any(), f"{context}: NaN in the output (an element was not written)"
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(g, w, atol=fp32_tol, rtol=fp32_tol, msg=lambda m: f"{context}: {m}")
+        return
+    diff = (g - w).abs()
+    bad = diff > atol + rtol * w.abs()
+    assert not bad.any(), (f"{context}: {int(bad.sum())} elements beyond the tolerance; max diff "
+                           f"{diff.max().item():.4g} at {bad.nonzero()[:4].tolist()}")
+    frac = (diff > 0).float().mean().item() if diff.numel() else 0.0
+    assert frac <= max_differing, f"{context}: {frac:.2%} of the elements differ (max {diff.max().item():.4g})"
+
+
 def hard_logit_cases(gen: torch.Generator, rows: int, vocab: int) -> list[tuple[str, torch.Tensor, int]]:
     """Logits that trip row-wise kernels over a vocabulary, as (name, logits [rows, vocab], finite columns):
     ties (the lowest index must win), a masked tail of -inf (whole blocks of it when vocab is large), and rows

@@ -25,7 +25,7 @@ import torch
 
 from kernels import fused
 
-from correctness.kernel_harness import assert_interpreted_ok, run_checks_main
+from correctness.kernel_harness import assert_close_ulps, assert_interpreted_ok, run_checks_main
 from kernels.fused import (qk_norm_rope_store, qk_norm_rope_store_reference, qk_norm_rope_store_triton, rmsnorm,
                            rmsnorm_reference, rmsnorm_triton, silu_mul, silu_mul_reference, silu_mul_triton)
 
@@ -35,19 +35,7 @@ EPS = 1e-6
 # ---------------------------------------------------------------------------------------------------- helpers
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, context: str) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype, \
-        f"{context}: {tuple(got.shape)} {got.dtype} vs {tuple(want.shape)} {want.dtype}"
-    g, w = got.float().cpu(), want.float().cpu()
-    assert not g.isnan().any(), f"{context}: NaN in the output (an element was not written)"
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{context}: {m}")
-        return
-    diff = (g - w).abs()
-    bad = diff > 2 ** -5 + 2 ** -6 * w.abs()
-    assert not bad.any(), (f"{context}: {int(bad.sum())} elements beyond two bf16 ulps; max diff "
-                           f"{diff.max().item():.4g} at {bad.nonzero()[:4].tolist()}")
-    frac = (diff > 0).float().mean().item() if diff.numel() else 0.0
-    assert frac <= 0.01, f"{context}: {frac:.2%} of the elements differ (max {diff.max().item():.4g})"
+    assert_close_ulps(got, want, context, fp32_tol=1e-5, atol=2 ** -5, rtol=2 ** -6, max_differing=0.01)
 
 
 def rand(gen, *shape, dtype, device="cpu", scale=1.0):
