@@ -91,6 +91,45 @@ def test_split_k_depends_on_the_weight_and_the_gpu_only():
     assert split_k(64, 128, 132) == 1  # too short to split
 
 
+def verify_and_decode(model, prompt: list[int], chain: list[int]):
+    """The hidden states and logits of `chain` after `prompt`: verified in one forward pass (causal over the chain),
+    and decoded one token per forward pass; each [len(chain), ...]."""
+    dev, n, T = model.device, len(prompt), len(chain)
+    out = []
+    for rows in (T, 1):
+        cache = model.new_cache(n + T + 1)
+        ids = torch.tensor(prompt, device=dev)[None]
+        model(ids, torch.arange(n, device=dev)[None], cache, torch.ones(n, n, dtype=torch.bool, device=dev).tril())
+        cache.keep_prefix(n)
+        cache.start.fill_(n)
+        hidden = []
+        for first in range(0, T, rows):
+            step = torch.tensor(chain[first:first + rows], device=dev)[None]
+            h, _ = model(step, (n + first + torch.arange(rows, device=dev))[None], cache,
+                         torch.ones(rows, rows, dtype=torch.bool, device=dev).tril())
+            cache.keep_prefix(rows)  # a chain: attention rows stay where written, a recurrence keeps its last state
+            cache.start.add_(rows)
+            hidden.append(h[0])
+        hidden = torch.cat(hidden)
+        out.append((hidden, model.logits(hidden)))
+    return out
+
+
+@pytest.mark.cpu
+def test_the_switch_changes_nothing_on_a_cpu(monkeypatch):
+    """ENGINE_SKINNY_GEMM=1 on a CPU: the model's linears stay F.linear, the same numbers."""
+    import engine
+
+    model = engine.load_target("synthetic:hybrid-tiny", "cpu", torch.float32).model
+    prompt, chain = list(range(3, 12)), [40, 41, 42, 43]
+    off = verify_and_decode(model, prompt, chain)
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM", "1")
+    on = verify_and_decode(model, prompt, chain)
+    for (h0, l0), (h1, l1) in zip(off, on):
+        assert torch.equal(h0, h1) and torch.equal(l0, l1)
+    torch.testing.assert_close(off[0][0], off[1][0], atol=1e-4, rtol=1e-4)  # verified rows are the decoded ones
+
+
 # ------------------------------------------------------------------------------------------------------------ GPU
 
 QWEN3_8B = [(6144, 4096, False), (4096, 4096, False), (24576, 4096, False), (4096, 12288, False), (2048, 1024, True)]
@@ -116,6 +155,25 @@ def test_gpu_float32_out_and_graph_replay():
     x.copy_(torch.randn(16, 4096, generator=gen).to("cuda", torch.bfloat16))
     graph.replay()
     assert torch.equal(out, skinny_linear_triton(x, w))
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [16, 65, MAX_ROWS])
+def test_gpu_with_the_switch_a_verified_row_equals_its_decode_step_bit_for_bit(monkeypatch, rows):
+    """ENGINE_SKINNY_GEMM=1 on synthetic:qwen3-0.6b (bfloat16): every row of a verify of `rows` tokens has the
+    hidden state and logits of the same token decoded alone, bit for bit (what makes verify lossless without
+    near-ties)."""
+    import engine
+
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM", "1")
+    model = engine.load_target("synthetic:qwen3-0.6b", "cuda", torch.bfloat16).model
+    gen = torch.Generator().manual_seed(4)
+    prompt, chain = (torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (37, rows))
+    (hv, lv), (hd, ld) = verify_and_decode(model, prompt, chain)
+    assert torch.equal(hv, hd), f"hidden: rows {(hv != hd).any(-1).nonzero().flatten()[:8].tolist()} differ"
+    assert torch.equal(lv, ld)
 
 
 if __name__ == "__main__":

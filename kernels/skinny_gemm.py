@@ -19,11 +19,13 @@ columns on 132 SMs), K is cut into SPLIT_K parts, chosen from (N, K) and the SM 
 part's float32 partial sums go to a workspace and a second kernel adds the parts in order (and the bias) and
 rounds once: the same sums in the same order for any M. With one part, the first kernel rounds and stores itself.
 
-Status: correct and batch-invariant under the interpreter (correctness/test_kernel_skinny_gemm.py); its speed
-against cuBLAS is measured by `python -m perf.kernel_times`; the model does not call it yet.
+Status: checked against its reference under the interpreter (correctness/test_kernel_skinny_gemm.py; batch
+invariance is a GPU check); its speed against cuBLAS is measured by `python -m perf.kernel_times --only skinny`; the
+model calls it only with ENGINE_SKINNY_GEMM=1 (engine/model.py, `linear`), until it is measured.
 """
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
@@ -31,12 +33,18 @@ import torch.nn.functional as F
 
 from kernels import tl, triton, triton_disabled
 
-__all__ = ["skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "split_k", "MAX_ROWS"]
+__all__ = ["skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "skinny_enabled", "split_k", "MAX_ROWS"]
 
 MAX_ROWS = 128
 ROW_TILE = 16
 BLOCK_N = 64
 BLOCK_K = 64
+
+
+def skinny_enabled() -> bool:
+    """ENGINE_SKINNY_GEMM=1 (read at each call) makes the model's projections and LM head use skinny_linear: opt-in
+    while the kernel is measured against cuBLAS (issue 30)."""
+    return os.environ.get("ENGINE_SKINNY_GEMM", "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
