@@ -8,8 +8,8 @@ commit, then one host read of every row's accepted count and tokens.
 Continuous batching: the first prompts are prefilled together (one forward pass over prompts padded at their
 ends, where that at most doubles the work; a hybrid's one at a time); a request that finishes (a stop token or its
 length) frees its row, which takes the next prompt from the queue, prefilled into that row (a row view of the
-cache); a row's next proposal reads its prompt's features. When the queue is empty, the last row in use moves into the freed row, so
-that a round runs over the first `in_use` rows only and finished requests stop costing work.
+cache); a row's next proposal reads its prompt's features. When the queue is empty, the last row in use moves into
+the freed row, so that a round runs over the first `in_use` rows only and finished requests stop costing work.
 
 Hybrid targets: their Gated DeltaNet layers follow a chain shared by the rows (AR, DFlash) or each row's own
 tree (DDTree), and commit replays each row's own accepted path; per-row trees and replays run one sequence at a

@@ -190,8 +190,7 @@ class Side:
     def bench(self, requests: list[list[str]], tp: int = 1, timeout: float = TIMEOUT_S) -> list:
         """Run `engine bench REQUEST --json FILE` for each request from this tree in one fresh process: its results
         file, or the SideError of that request. At width 1 the process imports the engine and makes its CUDA context
-        once for all requests (every pair of a round: a third of a pre-merge process was that startup); a wider
-        request runs alone under torchrun."""
+        once for all requests (every pair of a round); a wider request runs alone under torchrun."""
         if tp > 1 and len(requests) != 1:
             raise ValueError("a tensor-parallel bench process takes one request")
         with tempfile.TemporaryDirectory() as tmp:

@@ -6,8 +6,8 @@ is caught, measured with the gate's own processes and verdicts (perf/ab.py).
 
 Arms: the base (REV, default HEAD, exported as the gate exports it), the head (this checkout) and the head with each
 planted slowdown (ENGINE_PLANT_SLOWDOWN=F, engine/plant.py). A run is the gate's number of rounds; in each round every
-arm runs one bench process over every pair (as the gate does), with the gate's arguments (perf.ab.bench_args, the pre-merge workloads and
-methods), in an order that rotates from round to round. Each run is judged as the gate judges (perf.ab.judge): the
+arm runs one bench process over every pair (as the gate does), with the gate's arguments (perf.ab.bench_args, the
+pre-merge workloads and methods), in an order that rotates from round to round. Each run is judged as the gate judges (perf.ab.judge): the
 head against the base is an A/A run, which must pass; each plant against the base is a planted run, which should
 fail "head slower". The base's processes of a run serve all its comparisons (a third fewer processes than separate
 gate runs); runs share nothing. `--budget-s` starts no run that the previous run's duration says would end past it.
