@@ -16,7 +16,6 @@ from torch import nn
 
 from kernels.fused import qk_norm_rope_store, rmsnorm, silu_mul
 from kernels.gated_delta import TreeSchedule, chain_schedule
-from kernels.skinny_gemm import MAX_ROWS as SKINNY_ROWS, skinny_enabled, skinny_linear
 from kernels.tree_attention import tree_attention, visible_rows
 
 from .cache import AttentionLayerCache, ModelCache
@@ -109,7 +108,7 @@ class Attention(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Project [B, T, hidden]; store the (normed, rotated) keys and the values at the cache slots [T]; return the
         (normed, rotated) queries [B, heads, T, head_dim] and the output gate [B, T, heads * head_dim] (or None)."""
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         gate = None
         if self.output_gate:
             width = self.num_heads * self.head_dim
@@ -126,7 +125,7 @@ class Attention(nn.Module):
         o = o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        out = linear(o, self.o_proj.weight, self.o_proj.bias)
+        out = self.o_proj(o)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward(self, x, rows: Rows, layer_cache: AttentionLayerCache) -> torch.Tensor:
@@ -154,15 +153,8 @@ class MLP(nn.Module):
         self.gate_up_bias = _fused((self.gate_proj, self.up_proj), "bias")
 
     def forward(self, x):
-        act = silu_mul(linear(x, self.gate_up_weight, self.gate_up_bias))
-        out = linear(act, self.down_proj.weight, self.down_proj.bias)
+        out = self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
         return out if self.tp is None else self.tp.all_reduce(out)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; with ENGINE_SKINNY_GEMM=1, the batch-invariant skinny GEMM for GPU calls of up to 128 rows
-    (kernels/skinny_gemm.py, issue 30: opt-in until it is measured against cuBLAS)."""
-    return skinny_linear(x, weight, bias) if skinny_enabled() else F.linear(x, weight, bias)
 
 
 def _fused(linears, name: str) -> torch.Tensor | None:
@@ -297,9 +289,7 @@ class Transformer(nn.Module):
         """LM-head logits in float32. From bf16 weights they are accumulated and kept in float32: rounding them
         to bf16 (an ulp of 0.06 to 0.125 at typical magnitudes) would turn real margins into ties."""
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if skinny_enabled() and flat.is_cuda and flat.shape[0] <= SKINNY_ROWS:
-            out = skinny_linear(flat, self.lm_head.weight, out_dtype=torch.float32)
-        elif hidden.dtype == torch.float32:
+        if hidden.dtype == torch.float32:
             out = F.linear(flat, self.lm_head.weight)
         elif hidden.is_cuda and _has_mm_out_dtype():
             out = torch.mm(flat, self.lm_head.weight.t(), out_dtype=torch.float32)

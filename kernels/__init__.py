@@ -5,8 +5,7 @@
 - topk: the top-k tokens and log-probabilities of each draft depth (the tree builder's input);
 - tree_ops: best-first tree build, the walk, and KV-cache compaction for all layers in one launch;
 - fused: RMSNorm + residual add, q/k RMSNorm + RoPE + KV-cache store, SiLU(gate) * up.
-- cross_entropy: per-row cross-entropy and argmax over the vocabulary, with its gradient (draft training's loss);
-- skinny_gemm: y = x @ W^T for up to 128 rows, batch-invariant (issue 30; not yet called by the model).
+- cross_entropy: per-row cross-entropy and argmax over the vocabulary, with its gradient (draft training's loss).
 
 Each public function dispatches to its Triton kernel for CUDA tensors and to the reference otherwise;
 ENGINE_DISABLE_TRITON=1 forces the references everywhere.

@@ -134,28 +134,6 @@ def _attention(gen, bf16) -> list[tuple[str, object, object]]:
     return cases
 
 
-def _skinny(gen, bf16) -> list[tuple[str, object, object]]:
-    """kernels.skinny_gemm against cuBLAS (F.linear, what the model calls today) at Qwen3-8B's projections: each call
-    reads the next of several weight copies (together >= 256 MB, five L2s), so the weight streams from memory."""
-    from kernels.skinny_gemm import skinny_linear_triton
-
-    cases = []
-    for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)):
-        size = N * K * 2
-        weights = [torch.randn(N, K, generator=gen, device="cuda").to(bf16) for _ in range(-(-(256 << 20) // size))]
-        for M in (1, 16, 64, 128):
-            x = torch.randn(M, K, generator=gen, device="cuda").to(bf16)
-            turn = iter(range(1 << 62))
-
-            def pick(weights=weights, turn=turn):
-                return weights[next(turn) % len(weights)]
-
-            cases.append((f"skinny_linear {name} N={N} K={K} M={M} ({size / 1e6:.0f} MB)",
-                          lambda x=x, pick=pick: skinny_linear_triton(x, pick()),
-                          lambda x=x, pick=pick: F.linear(x, pick())))
-    return cases
-
-
 def _gated_delta(gen, bf16) -> list[tuple[str, object, object]]:
     """Qwen3.6-27B's Gated DeltaNet layer (16 key heads, 48 value heads of 128 x 128, conv kernel 4): the conv and the
     recurrence for a decode step, a DFlash chain, a random bushy tree and the tree DDTree-64 builds from synthetic
@@ -224,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf16 = torch.bfloat16
     rows = []
-    cases = (_fused(gen, bf16) + _tree(gen) + _attention(gen, bf16) + _gated_delta(gen, bf16) + _cross_entropy(gen)
-             + _skinny(gen, bf16))
+    cases = _fused(gen, bf16) + _tree(gen) + _attention(gen, bf16) + _gated_delta(gen, bf16) + _cross_entropy(gen)
     for name, kernel, reference in cases:
         if args.only and not name.startswith(args.only):
             continue
