@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import engine
-from engine.parallel import init_tensor_parallel, shard_target
+from engine.parallel import exit_rank, init_tensor_parallel, shard_target
 from engine.results import write_json
 
 from .tp_worker import prefill_logits
@@ -64,4 +64,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())  # a torchrun rank: see engine.parallel.exit_rank

@@ -122,3 +122,12 @@ def test_concurrency_sweep_at_width2_equals_width1(tiny_checkpoints, tmp_path):
     assert [(r["concurrency"], r["method"], r["tau"], r["lossless"]) for r in w2] == \
         [(r["concurrency"], r["method"], r["tau"], r["lossless"]) for r in w1]
     assert all(r["lossless"] for r in w2)
+
+
+def test_exit_rank_flushes_output_and_keeps_the_exit_code():
+    """A torchrun rank leaves through engine.parallel.exit_rank (no interpreter finalization, where gloo can abort a
+    finished rank): its buffered output still arrives and its exit code is the one given."""
+    code = "import sys; from engine.parallel import exit_rank; print('done'); print('warn', file=sys.stderr); exit_rank(3)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    assert proc.stdout == "done\n" and "warn" in proc.stderr

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import engine
 from engine.exactness import compare_tokens, tolerance_for
-from engine.parallel import init_tensor_parallel, shard_target
+from engine.parallel import exit_rank, init_tensor_parallel, shard_target
 from engine.results import write_json
 
 NEW_TOKENS = 40
@@ -73,4 +73,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())  # a torchrun rank: see engine.parallel.exit_rank
