@@ -356,8 +356,8 @@ def test_batched_rounds_through_the_graph_path_stay_lossless(tiny_checkpoints, m
     from engine.exactness import compare_tokens, tolerance_for
 
     captured, replays = [], []
-    monkeypatch.setattr(BatchDecoder, "_capture",
-                        staticmethod(lambda stage: captured.append(stage) or Replay(stage, replays)))
+    monkeypatch.setattr(BatchDecoder, "_capture", staticmethod(
+        lambda stages: {name: captured.append(stage) or Replay(stage, replays) for name, stage in stages.items()}))
     target = engine.load_target("synthetic:hybrid-tiny" if kind == "hybrid" else
                                 str(tiny_checkpoints["qwen3-gqa-untied-sharded"][0]), "cpu", torch.float32)
     vocab = target.model.cfg.vocab_size
@@ -389,7 +389,8 @@ def test_a_batch_decoder_keeps_its_buffers_and_graphs_between_calls(tiny_checkpo
     from engine.exactness import compare_tokens, tolerance_for
 
     captured = []
-    monkeypatch.setattr(BatchDecoder, "_capture", staticmethod(lambda stage: captured.append(stage) or Replay(stage)))
+    monkeypatch.setattr(BatchDecoder, "_capture", staticmethod(
+        lambda stages: {name: captured.append(stage) or Replay(stage) for name, stage in stages.items()}))
     target = engine.load_target(str(tiny_checkpoints["qwen3-gqa-untied-sharded"][0]), "cpu", torch.float32)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
     refs = [engine.Decoder(target.model).generate(p, 12, record_margins=True) for p in prompts]

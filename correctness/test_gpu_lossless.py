@@ -119,7 +119,7 @@ def test_batched_decoding_with_cuda_graphs_is_lossless_per_request(monkeypatch, 
 
     captures = []
     real_capture = BatchDecoder._capture
-    monkeypatch.setattr(BatchDecoder, "_capture", staticmethod(lambda stage: captures.append(1) or real_capture(stage)))
+    monkeypatch.setattr(BatchDecoder, "_capture", staticmethod(lambda stages: captures.append(1) or real_capture(stages)))
     target = engine.load_target("synthetic:qwen3-0.6b", "cuda", torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, target.model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 130, 40, 3, 64)]

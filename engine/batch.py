@@ -32,7 +32,7 @@ from kernels.gated_delta import tree_schedule
 from kernels.topk import topk_logprobs
 from kernels.tree_ops import build_tree, walk_tree
 
-from .decode import Decoder, DecodeSettings, GenerationResult, RoundTree
+from .decode import Decoder, DecodeSettings, GenerationResult, RoundTree, capture_stages
 from .draft import DraftInput, Drafter
 from .errors import EngineError
 from .model import Transformer
@@ -270,15 +270,10 @@ class BatchDecoder:
         if not eager and not replay:
             # This batch size's first round ran eagerly over the static buffers (kernels compiled, buffers
             # allocated): capture its stages now for the rounds to come (capturing runs nothing).
-            batch.graphs[B] = {name: self._capture(stage) for name, stage in stages.items()}
+            batch.graphs[B] = self._capture(stages)
         return out
 
-    @staticmethod
-    def _capture(stage):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            stage()
-        return graph
+    _capture = staticmethod(capture_stages)  # the tests stand in for it on a CPU
 
     def _stages(self, batch: _Batch, B: int) -> dict:
         """The round's stages over rows 0 .. B-1, reading and writing the batch's buffers and the intermediates

@@ -85,6 +85,19 @@ class DecodeSettings:
                 raise EngineError(f"block size must be >= 2 for {self.method}, got {drafter.block_size}")
 
 
+def capture_stages(stages: dict) -> dict:
+    """Each stage of a round recorded once as a CUDA graph (capturing runs nothing), all in one memory pool: the
+    stages run one after another, so one's temporaries can reuse another's."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {}
+    for name, stage in stages.items():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            stage()
+        graphs[name] = graph
+    return graphs
+
+
 @dataclass
 class RoundTree:
     """Draft nodes of one round on the device, padded to a fixed number: node i+1 has tokens[i], parents[i]
@@ -304,14 +317,8 @@ class Decoder:
 
     def _capture_graphs(self) -> None:
         """Record each stage once as a CUDA graph over the static buffers (after an eager warm-up round)."""
-        pool = torch.cuda.graph_pool_handle()
-        self.graphs = {}
         self.graphed_drafter_cache = getattr(self.drafter, "cache", None)
-        for name, stage in self._stages().items():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                stage()
-            self.graphs[name] = graph
+        self.graphs = capture_stages(self._stages())
 
     # ------------------------------------------------------------------------------------------------ decode
 
