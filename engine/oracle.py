@@ -38,18 +38,23 @@ class OracleDrafter(Drafter):
         self.scores = torch.tensor([20.0 - 2.0 * r for r in range(RANKS)], device=device).expand(block_size - 1, RANKS)
         self.noise = torch.randn(block_size - 1, vocab_size, generator=torch.Generator().manual_seed(seed)).to(device)
         self.depths = torch.arange(1, block_size, device=device)
-        self.by_prompt: dict[tuple, tuple[list[int], float | None]] = {}
+        self.by_prompt: dict[tuple, torch.Tensor] = {}  # batched decoding: a prompt's ranked table, built once
         self.set_reference(reference)
 
     def set_reference(self, reference: list[int], sequence: int | None = None, miss_rate: float | None = None
                       ) -> None:
         """Propose this continuation from now on (in place: graphs captured over this drafter stay valid); in
         batched decoding, for the sequence in batch row `sequence`, with its own miss rate if given."""
+        (self.ranked if sequence is None else self.ranked_rows[sequence]).copy_(self._table(reference, miss_rate))
+
+    def _table(self, reference: list[int], miss_rate: float | None) -> torch.Tensor:
+        """The ranked candidates of every position for this reference (a few ms of host work: built outside decoding
+        where it can be)."""
         if len(reference) > self.max_length:
             raise ValueError(f"reference of {len(reference)} tokens exceeds the oracle's max_length")
         miss = self.miss_rate if miss_rate is None else miss_rate
-        table = torch.tensor([self._ranked(p, reference, miss) for p in range(self.ranked.shape[0])])
-        (self.ranked if sequence is None else self.ranked_rows[sequence]).copy_(table)
+        return torch.tensor([self._ranked(p, reference, miss) for p in range(self.ranked.shape[0])],
+                            device=self.ranked.device)
 
     @property
     def max_length(self) -> int:
@@ -79,11 +84,11 @@ class OracleDrafter(Drafter):
     def add_reference(self, prompt: list[int], continuation: list[int], miss_rate: float | None = None) -> None:
         """Batched decoding: the continuation to propose, with its own miss rate if given, for a row that starts
         this prompt (reset_sequence)."""
-        self.by_prompt[tuple(prompt)] = (list(prompt) + list(continuation), miss_rate)
+        self.by_prompt[tuple(prompt)] = self._table(list(prompt) + list(continuation), miss_rate)
 
     def reset_sequence(self, row: int, prompt: list[int]) -> None:
-        reference, miss_rate = self.by_prompt.get(tuple(prompt), (prompt, None))  # unknown: every proposal wrong
-        self.set_reference(reference, sequence=row, miss_rate=miss_rate)
+        table = self.by_prompt.get(tuple(prompt))
+        self.ranked_rows[row].copy_(table if table is not None else self._table(prompt, None))  # unknown: all wrong
         if self.cost is not None:
             self.cost.reset_sequence(row, prompt)
 
