@@ -16,11 +16,11 @@ import statistics
 import torch
 
 import engine
+from engine.errors import EngineError
+from engine.launch import visible_gpus
+from engine.measure import AUTO, Method
 from engine.results import gpu_telemetry
 from engine.workloads import WORKLOADS, prompt_ids
-
-METHODS = {"ar": engine.DecodeSettings("ar"), "dflash": engine.DecodeSettings("dflash"),
-           "ddtree-15": engine.DecodeSettings("ddtree", 15)}
 
 
 def main(argv=None) -> int:
@@ -28,19 +28,25 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=engine.DEFAULT_TARGET)
     ap.add_argument("--draft", default="default")
     ap.add_argument("--workload", default="fib", choices=sorted(WORKLOADS))
-    ap.add_argument("--methods", default="ddtree-15,ar", help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--methods", default="ddtree-15,ar", help="comma-separated: ar, dflash, ddtree-<budget>")
     ap.add_argument("--allocations", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3, help="timed runs per allocation and method")
     ap.add_argument("--tokens", type=int, default=256)
     a = ap.parse_args(argv)
-    methods = a.methods.split(",")
-    bad = [m for m in methods if m not in METHODS]
-    if bad or a.allocations < 1 or a.runs < 1 or a.tokens < 2:
-        ap.error(f"unknown method {', '.join(bad)}" if bad else "--allocations, --runs >= 1 and --tokens >= 2")
+    names = [m for m in a.methods.split(",") if m]
+    if not names or AUTO in names:
+        ap.error("--methods: name one or more of ar, dflash, ddtree-<budget> (a fixed budget: this times one method)")
+    try:
+        methods = [Method.parse(m) for m in names]
+    except EngineError as e:
+        ap.error(str(e))
+    if a.allocations < 1 or a.runs < 1 or a.tokens < 2:
+        ap.error("--allocations, --runs >= 1 and --tokens >= 2")
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     target = engine.load_target(a.target, dev, torch.bfloat16 if dev == "cuda" else torch.float32)
-    drafter = engine.load_drafter(a.draft, target) if any(m != "ar" for m in methods) else None
+    drafter = engine.load_drafter(a.draft, target) if any(m.drafts for m in methods) else None
+    gpus = visible_gpus()  # NVML's index of the GPU this process uses
     ids = prompt_ids(target, a.workload)
 
     rows = []
@@ -48,18 +54,18 @@ def main(argv=None) -> int:
         # shift where this allocation's buffers land
         pad = torch.empty(int(torch.randint(1, 64, ()).item()) << 20, dtype=torch.uint8, device=dev)
         for method in methods:
-            decoder = engine.Decoder(target.model, drafter if method != "ar" else None, METHODS[method])
+            decoder = engine.Decoder(target.model, drafter if method.drafts else None, method.settings)
             decoder.generate(ids, a.tokens)  # warm-up: captures the graphs
             for run in range(a.runs):
                 r = decoder.generate(ids, a.tokens)
-                t = gpu_telemetry() or {}
-                rows.append((alloc, method, r.tok_s))
-                print(f"allocation {alloc} {method:9} run {run}: {r.tok_s:8.1f} tok/s  verify "
+                t = (gpu_telemetry(gpus[0]) if dev == "cuda" and gpus else None) or {}
+                rows.append((alloc, method.name, r.tok_s))
+                print(f"allocation {alloc} {method.name:9} run {run}: {r.tok_s:8.1f} tok/s  verify "
                       f"{r.stage_ms.get('verify', 0):.3f} ms  SM {t.get('sm_clock_mhz', '-')} MHz  "
                       f"power {t.get('power_w', 0):.0f} W  throttle {t.get('throttle_reasons', '-')}", flush=True)
             del decoder
         del pad
-    for method in methods:
+    for method in (m.name for m in methods):
         per_alloc = [statistics.median(x for al, m, x in rows if al == i and m == method) for i in range(a.allocations)]
         runs = [x for _, m, x in rows if m == method]
         print(f"{method}: median per allocation {' '.join(f'{x:.0f}' for x in per_alloc)}; "
