@@ -78,7 +78,7 @@ def make_mask(kind: str, T: int, gen: torch.Generator) -> torch.Tensor:
 def make_qkv(B, H, KVH, T, D, CAP, dtype, layout, gen, device="cpu", q_std=1.0):
     """q [B, H, T, D] and caches [B, KVH, CAP, D] in one of three layouts (all with a contiguous last dim)."""
     def rnd(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+        return torch.randn(*shape, generator=gen, device=gen.device, dtype=torch.float32).to(device)
 
     if layout == "contig":
         q = rnd(B, H, T, D)

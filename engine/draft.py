@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.tree_attention import tree_attention
 
 from .cache import ModelCache
 from .config import ModelConfig
@@ -172,7 +171,7 @@ class DFlashDrafter(Drafter):
             attn.project(ctx, cos_c, sin_c, layer_cache, ctx_pos)       # context keys and values
             q, _ = attn.project(h, cos_b, sin_b, layer_cache, block_pos)  # the block's, and its queries
             if window is None:
-                o = tree_attention(q, layer_cache.k, layer_cache.v, block_start, self.block_visible)
+                o = attn.attend(q, layer_cache, block_start, self.block_visible)
             else:
                 o = _windowed_attention(q, layer_cache, block_pos, window)
             x = x + attn.out(o)

@@ -120,6 +120,14 @@ class Attention(nn.Module):
                                self.eps, cos, sin, layer_cache.k, layer_cache.v, slots)
         return q, gate
 
+    def attend(self, q: torch.Tensor, layer_cache: AttentionLayerCache, start, node_mask: torch.Tensor,
+               visible: torch.Tensor | None = None) -> torch.Tensor:
+        """Tree attention of the queries [B, H, T, D] over the cache, written into [B, T, H, D] memory: `out` then
+        flattens the heads as a view (a transposing copy per layer otherwise, 2 us on the H200)."""
+        B, H, T, D = q.shape
+        o = q.new_empty(B, T, H, D).transpose(1, 2)
+        return tree_attention(q, layer_cache.k, layer_cache.v, start, node_mask, rows=visible, out=o)
+
     def out(self, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output [B, H, T, D] (times sigmoid(gate) when gated) -> [B, T, hidden]."""
         o = o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
@@ -135,8 +143,7 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q, layer_cache.k[:, :, :T], layer_cache.v[:, :, :T], is_causal=True,
                                                enable_gqa=self.num_heads != self.num_kv_heads)
             return self.out(o, gate)
-        return self.out(tree_attention(q, layer_cache.k, layer_cache.v, rows.start, rows.node_mask, rows=rows.visible),
-                        gate)
+        return self.out(self.attend(q, layer_cache, rows.start, rows.node_mask, rows.visible), gate)
 
 
 class MLP(nn.Module):
