@@ -172,3 +172,60 @@ def test_run_ahead_reads_the_same_rounds(tiny, method, budget, miss_rate):
         ahead = engine.Decoder(target.model, drafter, settings, run_ahead=True).generate(prompt, n, stop)
         assert ahead.tokens == sync_run.tokens and ahead.acceptance_lengths == sync_run.acceptance_lengths
         assert len(ahead.tokens) == min(n, len(ref.tokens[:ref.tokens.index(stop[0]) + 1]) if stop else n)
+
+
+class AddressStableReplay:
+    """A CUDA graph stood in for on a CPU, with what matters here: the capture runs the stage's Python (the Round's
+    fields then point at the capture's tensors) and the round that captured replays it once (here the capture did
+    that round's work); a later replay writes those same tensors and re-points no Python attribute."""
+
+    def __init__(self, stage):
+        self.stage, self.first = stage, True
+        stage()
+        self.captured = dict(vars(stage.__self__.round))
+
+    def replay(self):
+        if self.first:  # the capturing round: its work was done by the capture above
+            self.first = False
+            return
+        decoder = self.stage.__self__
+        before = dict(vars(decoder.round))
+        self.stage()
+        for name, produced in vars(decoder.round).items():
+            if produced is not before[name]:  # the stage assigned this field: a graph writes the captured tensors
+                _copy_into(self.captured[name], produced)
+        vars(decoder.round).update(before)
+
+
+def _copy_into(dst, src):
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    else:  # a RoundTree
+        for name, tensor in vars(dst).items():
+            tensor.copy_(getattr(src, name))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 6)])
+def test_graph_replays_report_what_the_graphs_wrote(tiny, monkeypatch, method, budget):
+    """A decoder whose graphs were captured in an earlier call runs each call's first round eagerly (re-pointing the
+    Round's fields at new tensors), then replays: the margins it records, and the stages' inputs, must come from the
+    tensors the graphs write. Stand-in graphs that only write their captured tensors (as CUDA graphs do) catch a
+    decoder that reads the eager round's stale tensors: tokens and margins must equal eager decoding's."""
+    import engine.decode
+
+    monkeypatch.setattr(engine.decode, "capture_stages",
+                        lambda stages: {name: AddressStableReplay(stage) for name, stage in stages.items()})
+    target, prompts, refs = tiny
+    drafter = engine.OracleDrafter([0], target.model.cfg.vocab_size, 4, device="cpu",
+                                   cost=engine.load_drafter("random:1", target, 4), max_length=64)
+    for p, r in zip(prompts, refs):
+        drafter.add_reference(p, r.tokens, miss_rate=0.3)
+    decoder = engine.Decoder(target.model, drafter if method != "ar" else None, engine.DecodeSettings(method, budget))
+    decoder.cuda_graphs, decoder.run_ahead = True, False  # (no pinned buffers and events on a CPU)
+    for _ in range(2):  # the first call captures; the second replays graphs captured in the first
+        for prompt, ref in zip(prompts, refs):
+            got = decoder.generate(prompt, NEW_TOKENS, record_margins=True)
+            assert got.tokens == ref.tokens
+            assert got.margins == pytest.approx(ref.margins, abs=1e-4)  # float32: verify rows round otherwise
+    assert decoder.graphs is not None

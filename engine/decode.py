@@ -20,7 +20,7 @@ What each stage reads and writes (`Sequence`: the sequence's buffers, `Round`: w
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -319,6 +319,7 @@ class Decoder:
         """Record each stage once as a CUDA graph over the static buffers (after an eager warm-up round)."""
         self.graphed_drafter_cache = getattr(self.drafter, "cache", None)
         self.graphs = capture_stages(self._stages())
+        self.captured_round = replace(self.round)  # the tensors the graphs write
 
     # ------------------------------------------------------------------------------------------------ decode
 
@@ -377,6 +378,8 @@ class Decoder:
             if use_graphs and launched == 2 and self.graphs is None:
                 self._capture_graphs()
             replay = use_graphs and launched >= 1 and self.graphs is not None
+            if replay:  # an eager round (each call's first) re-points the fields; the host reads what graphs write
+                self.round = replace(self.captured_round)
             for name, stage in self._stages().items():
                 with timer.stage(name):
                     if replay:

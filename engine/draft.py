@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.tree_attention import visible_rows
 
 from .cache import ModelCache
 from .config import ModelConfig
@@ -129,6 +130,7 @@ class DFlashDrafter(Drafter):
         dev = target.device
         self.block_offsets = torch.arange(max(self.block_size, 1), device=dev)
         self.block_visible = torch.ones(self.block_size, self.block_size, dtype=torch.bool, device=dev)
+        self.block_visible_rows = visible_rows(self.block_visible)  # once, not per layer and round
         self.mask_ids = torch.full((max(self.block_size - 1, 0),), self.mask_token_id, dtype=torch.long, device=dev)
 
     def start(self, prompt_len: int, capacity: int, sequences: int | None = None) -> None:
@@ -165,19 +167,20 @@ class DFlashDrafter(Drafter):
         positions = lambda pos: pos if pos.dim() == 2 else pos.expand(B, -1)  # noqa: E731
         cos_c, sin_c = self.rotary(positions(ctx_pos), x.dtype)
         cos_b, sin_b = self.rotary(positions(block_pos), x.dtype)
+        pending = None  # the last MLP output, added to x inside the next norm (as the target's blocks do)
         for layer, layer_cache, window in zip(self.draft.layers, cache.layers, self.windows):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)[0]
+            h, x = layer.input_layernorm(x, pending)
             attn.project(ctx, cos_c, sin_c, layer_cache, ctx_pos)       # context keys and values
             q, _ = attn.project(h, cos_b, sin_b, layer_cache, block_pos)  # the block's, and its queries
             if window is None:
-                o = attn.attend(q, layer_cache, block_start, self.block_visible)
+                o = attn.attend(q, layer_cache, block_start, self.block_visible, self.block_visible_rows)
             else:
                 o = _windowed_attention(q, layer_cache, block_pos, window)
-            x = x + attn.out(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x)[0])
+            h, x = layer.post_attention_layernorm(attn.out(o), x)
+            pending = layer.mlp(h)
         cache.start.add_(inp.n_features)  # keep the context rows, drop the block's
-        logits = self.target.logits(self.draft.norm(x[:, 1:])[0])
+        logits = self.target.logits(self.draft.norm(pending[:, 1:], x[:, 1:])[0])
         return logits if inp.length.dim() else logits[0]
 
 
