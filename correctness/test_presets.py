@@ -25,6 +25,24 @@ def test_preset_config(preset):
         assert inv_freq[-1] < plain[-1] and torch.allclose(inv_freq[0], plain[0])
 
 
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3.6-27b", "smollm2-135m"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_table_equals_the_formula(preset, dtype):
+    """Positions gathered from the table (bound given) carry the same cos and sin, bit for bit, as computed ones, for
+    scaled, partial and plain RoPE; a larger bound grows the table and keeps the earlier one alive (CUDA graphs of
+    another decoder may read it)."""
+    from engine.model import Rotary
+
+    cfg = ModelConfig.from_hf(_hf_config(SYNTHETIC_PRESETS[preset], preset))
+    rotary = Rotary(cfg.hf, cfg.head_dim, "cpu")
+    positions = torch.tensor([[0, 1, 2, 300, 301], [7, 255, 256, 1000, 1023]])
+    want = rotary.compute(positions, dtype)
+    for bound in (1024, 3000):
+        got = rotary(positions, dtype, bound=bound)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert [t.shape[1] for t in rotary.tables[dtype]] == [1024, 4096]
+
+
 def test_small_synthetic_pair_is_lossless():
     target = engine.load_target("synthetic:smollm2-135m", "cpu", torch.float32)
     assert target.tokenizer is None and target.default_draft == "random:1"

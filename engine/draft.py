@@ -165,8 +165,8 @@ class DFlashDrafter(Drafter):
         bonus = inp.tokens.gather(1, inp.length.view(-1, 1).expand(B, 1))     # [B, 1]
         x = self.target.embed(torch.cat((bonus, self.mask_ids.expand(B, -1)), dim=1))
         positions = lambda pos: pos if pos.dim() == 2 else pos.expand(B, -1)  # noqa: E731
-        cos_c, sin_c = self.rotary(positions(ctx_pos), x.dtype)
-        cos_b, sin_b = self.rotary(positions(block_pos), x.dtype)
+        cos_c, sin_c = self.rotary(positions(ctx_pos), x.dtype, bound=cache.capacity)  # positions = cache slots
+        cos_b, sin_b = self.rotary(positions(block_pos), x.dtype, bound=cache.capacity)
         pending = None  # the last MLP output, added to x inside the next norm (as the target's blocks do)
         for layer, layer_cache, window in zip(self.draft.layers, cache.layers, self.windows):
             attn = layer.self_attn
