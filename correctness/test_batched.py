@@ -287,7 +287,7 @@ def test_budget_policy_picks_smaller_trees_as_concurrency_grows(monkeypatch):
             return None
 
     monkeypatch.setattr(budget, "verify_ms", lambda target, c, rows, context: 5.0 + 0.1 * c * rows)
-    monkeypatch.setattr(budget, "draft_ms", lambda drafter, target, c, context: 1.0)
+    monkeypatch.setattr(budget, "draft_ms", lambda drafter, target, c, context, depth=None: 1.0)
     choices = budget.choose_budgets(FakeBench(), ["fib"], 16, [1, 32], budgets=tuple(taus))
     assert choices[1].budget == 32 and choices[32].budget == 2
     assert choices[32].table[8]["tok_s"] == pytest.approx(1e3 * 32 * 3.0 / (1.0 + 5.0 + 0.1 * 32 * 9))

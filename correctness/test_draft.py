@@ -72,3 +72,25 @@ def test_incremental_draft_equals_full_recompute(tiny_checkpoints, layers, block
         want = reference_block_logits(drafter, target.model, features[:, :seen], int(tokens[0, seen]))
         assert got.shape == (block_size - 1, target.model.cfg.vocab_size)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_draft_asked_for_fewer_positions_returns_those(tiny_checkpoints):
+    """DraftInput.depth (a DDTree budget below the block): the first `depth` positions' logits, as the whole block
+    gives them, and the context it keeps is the same for the next call."""
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    drafters = [engine.load_drafter("random:2", target, 8, seed=3) for _ in range(2)]
+    F = len(drafters[0].feature_layers) * target.model.cfg.hidden_size
+    features = torch.randn(1, 20, F, generator=gen)
+    tokens = torch.randint(0, target.model.cfg.vocab_size, (1, 21), generator=gen)
+    for d in drafters:
+        d.start(prompt_len=9, capacity=64)
+    seen = 0
+    for new in (9, 3, 5):
+        inputs = [DraftInput(tokens, torch.tensor(seen + new), features[:, seen:seen + new], torch.tensor(new), depth)
+                  for depth in (None, 3)]
+        full, part = (d.propose(inp) for d, inp in zip(drafters, inputs))
+        seen += new
+        assert full.shape[0] == 7 and part.shape[0] == 3
+        torch.testing.assert_close(part, full[:3], rtol=1e-5, atol=1e-5)

@@ -294,7 +294,8 @@ class BatchDecoder:
                     feats[row, :f.shape[0]] = f
                     n_feats[row] = f.shape[0]
                 batch.prompt_features.clear()
-            st.draft_logits = self.drafter.propose(DraftInput(batch.tokens[:B], start, feats, n_feats))
+            st.draft_logits = self.drafter.propose(DraftInput(batch.tokens[:B], start, feats, n_feats,
+                                                                      self.one.draft_depth))
 
         def tree():
             if s.method == "dflash":

@@ -6,11 +6,12 @@ all), in proportion once the pass is bound by its arithmetic (many sequences of 
 concurrency 1 does not at 32. The policy measures both sides on this device, with the decode loop's own code, and
 picks per concurrency c the budget with the most tokens per second:
 
-    tok/s(c, b) = c * tau(b) / (draft_ms(c) + verify_ms(c, 1 + b))
+    tok/s(c, b) = c * tau(b) / (draft_ms(c, b) + verify_ms(c, 1 + b))
 
 - tau(b): DDTree-b's acceptance length over the workloads at concurrency 1 (a sequence's acceptance does not depend
   on the batch it shares a round with);
-- draft_ms(c): one draft pass over c sequences, the same for every budget (the draft proposes a block);
+- draft_ms(c, b): one draft pass over c sequences; its LM head runs over min(b, block - 1) positions (a tree of budget
+  b reaches depth b), the layers over the whole block;
 - verify_ms(c, T): one target pass over c sequences of T verified rows each, after a context of typical length.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from kernels import triton_disabled
 
+from .decode import DecodeSettings, draft_depth
 from .draft import DraftInput
 from .timing import sync
 
@@ -70,8 +72,9 @@ def verify_ms(target, concurrency: int, rows: int, context: int) -> float:
 
 
 @torch.no_grad()
-def draft_ms(drafter, target, concurrency: int, context: int) -> float:
-    """One draft pass over `concurrency` sequences, each with a block of new context rows after `context` tokens."""
+def draft_ms(drafter, target, concurrency: int, context: int, depth: int | None = None) -> float:
+    """One draft pass over `concurrency` sequences, each with a block of new context rows after `context` tokens,
+    proposing `depth` positions (DraftInput.depth)."""
     if drafter is None:
         return 0.0
     dev, block = target.device, drafter.block_size
@@ -87,7 +90,7 @@ def draft_ms(drafter, target, concurrency: int, context: int) -> float:
     def step():
         if cache is not None:
             cache.start.fill_(context)  # the same context every pass
-        drafter.propose(DraftInput(tokens, length, features, n_features))
+        drafter.propose(DraftInput(tokens, length, features, n_features, depth))
     return _median_ms(step, dev)
 
 
@@ -110,11 +113,13 @@ def choose_budgets(bench, workloads: list[str], new_tokens: int, concurrency: li
     drafter = bench._drafter_for(context + new_tokens)
     drafter = getattr(drafter, "cost", None) or drafter  # an oracle's cost is its draft's
     choices = {}
+    block = 0 if drafter is None else drafter.block_size
+    depths = {b: draft_depth(DecodeSettings("ddtree", b), block) for b in budgets}
     for c in concurrency:
-        d = draft_ms(drafter, target, c, context)
+        d = {depth: draft_ms(drafter, target, c, context, depth) for depth in set(depths.values())}
         table = {}
         for b in budgets:
-            round_ms = d + verify_ms(target, c, 1 + b, context)
+            round_ms = d[depths[b]] + verify_ms(target, c, 1 + b, context)
             table[b] = dict(tau=tau[b], round_ms=round_ms, tok_s=1e3 * c * tau[b] / round_ms)
         best = max(budgets, key=lambda b: table[b]["tok_s"])
         choices[c] = BudgetChoice(c, best, table)

@@ -85,6 +85,14 @@ class DecodeSettings:
                 raise EngineError(f"block size must be >= 2 for {self.method}, got {drafter.block_size}")
 
 
+def draft_depth(settings: DecodeSettings, block_size: int) -> int | None:
+    """The draft positions a round reads: a DDTree of budget b reaches depth b, so a smaller budget than the block
+    needs the draft's LM head over b positions only (DraftInput.depth); None: the whole block."""
+    if settings.method == "ddtree" and 0 < settings.budget < block_size - 1:
+        return settings.budget
+    return None
+
+
 def capture_stages(stages: dict) -> dict:
     """Each stage of a round recorded once as a CUDA graph (capturing runs nothing), all in one memory pool: the
     stages run one after another, so one's temporaries can reuse another's."""
@@ -158,6 +166,7 @@ class Decoder:
         self.nodes = 0 if not self.speculative else self.block_size - 1 if settings.method == "dflash" \
             else settings.budget
         self.feature_layers = tuple(drafter.feature_layers) if self.speculative else ()
+        self.draft_depth = draft_depth(settings, self.block_size)
         on_gpu = target.device.type == "cuda"
         # The PyTorch references read lengths on the host, so graphs need the Triton kernels, and tree attention
         # has its kernel up to MAX_TRITON_T verified rows (a larger DDTree budget runs eagerly).
@@ -364,7 +373,7 @@ class Decoder:
 
         if self.speculative:  # the first round reads the prompt's features; later rounds the static buffer
             self.draft_input = DraftInput(s.tokens, s.cache.start, prompt_features,
-                                          torch.tensor(n_prompt, device=dev))
+                                          torch.tensor(n_prompt, device=dev), self.draft_depth)
         # On a GPU the host reads a round's result (accepted count and tokens) through a pinned double buffer
         # while the next round already runs: once the graphs exist, one round is in flight ahead of the host, so
         # the GPU does not wait for Python between rounds. Every round commits at least one token, so no round is
@@ -387,7 +396,7 @@ class Decoder:
                     else:
                         stage()
             if self.speculative and launched == 0:
-                self.draft_input = DraftInput(s.tokens, s.cache.start, s.features, s.n_features)
+                self.draft_input = DraftInput(s.tokens, s.cache.start, s.features, s.n_features, self.draft_depth)
             slot = launched % 2
             s.host_out[slot].copy_(s.round_out, non_blocking=True)
             if s.out_ready is not None:

@@ -37,11 +37,15 @@ class DraftInput:
 
     Several sequences (batched decoding): row b of tokens and features is sequence b, and length and n_features
     hold one value per sequence ([B]); the proposal is then [B, block_size - 1, vocab].
+
+    depth: the round reads the proposal's first `depth` positions only (a DDTree of budget b reaches depth b); a
+    drafter may then return just those ([depth, vocab]), saving their LM head. None: all block_size - 1.
     """
     tokens: torch.Tensor            # [B, capacity] long
     length: torch.Tensor            # 0-d long (one sequence), or [B]
     features: torch.Tensor | None   # [B, n, F]
     n_features: torch.Tensor        # like length, each <= n
+    depth: int | None = None
 
 
 class Drafter(ABC):
@@ -58,7 +62,7 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, inp: DraftInput) -> torch.Tensor:
         """Return draft logits [block_size - 1, vocab] for the positions after the bonus token ([B, block_size - 1,
-        vocab] for several sequences)."""
+        vocab] for several sequences), or only the first inp.depth positions' where it is set."""
 
     # Batched decoding (engine/batch.py) starts a drafter with `start(prompt_len, capacity, sequences=B)`, proposes
     # for the first rows in use, and calls these between rounds:
@@ -180,7 +184,8 @@ class DFlashDrafter(Drafter):
             h, x = layer.post_attention_layernorm(attn.out(o), x)
             pending = layer.mlp(h)
         cache.start.add_(inp.n_features)  # keep the context rows, drop the block's
-        logits = self.target.logits(self.draft.norm(pending[:, 1:], x[:, 1:])[0])
+        end = block if inp.depth is None else 1 + inp.depth  # the LM head only over the positions the round reads
+        logits = self.target.logits(self.draft.norm(pending[:, 1:end], x[:, 1:end])[0])
         return logits if inp.length.dim() else logits[0]
 
 
