@@ -24,8 +24,9 @@ def _check_kernels_package() -> None:
 
     ours = Path(__file__).resolve().parent.parent / "kernels"
     if Path(kernels.__file__).resolve().parent != ours:
-        raise ImportError(f"`import kernels` found {Path(kernels.__file__).parent}, not this project's {ours}: Hugging "
-                          "Face's `kernels` package shadows it; pip uninstall kernels (and keep transformers < 5.25)")
+        raise ImportError(f"`import kernels` found {Path(kernels.__file__).parent}, not this project's {ours}: "
+                          "Hugging Face's `kernels` package shadows it; pip uninstall kernels (and keep transformers "
+                          "< 5.25)")
     try:
         hf_kernels = importlib.metadata.version("kernels")
         transformers = importlib.metadata.version("transformers")

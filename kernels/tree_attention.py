@@ -30,15 +30,18 @@ rank j. The program walks logical keys in BLOCK_N blocks (tl.dot for Q K^T and P
 base 2 (running max, running sum, unnormalised float32 accumulator), in two loops over the same block grid: the
 blocks wholly inside the committed prefix with plain addresses (their loads pipelined ahead: 20-35% faster than
 one loop that computed every block's addresses through the gather), then the blocks that reach the new rows, which
-gather their K/V rows through the token's row list (`visible_rows(node_mask)`, built once per forward pass: a gather, where an
-earlier version matched ranks against all T rows in every block), and keys past the token's last one are masked.
+gather their K/V rows through the token's row list (`visible_rows(node_mask)`, built once per forward pass: a
+gather, where an earlier version matched ranks against all T rows in every block), and keys past the token's last
+one are masked.
 So a token's arithmetic, block by block, is that of the one-token decode step at the same position: whether it is
 verified alone, in a chain, or deep in a tree whose siblings sit between its ancestors, the result is the same bit
 for bit (docs/design.md,
 "Exactness": then no divergence can happen at all). Earlier designs were not: tiles of several tokens sharing masked K/V
-blocks put a tree node's ancestors at other offsets inside a block, and separate loops for whole prefix blocks
-and masked blocks were compiled to differently-rounding code; both made verification differ from decoding in
-the last bit on the H200 (a flipped near-tie on qwen3-8b). Keys past start + T are never loaded.
+blocks put a tree node's ancestors at other offsets inside a block, and an earlier pair of loops for whole prefix
+blocks and masked blocks was compiled to differently-rounding code; both made verification differ from decoding in
+the last bit on the H200 (a flipped near-tie on qwen3-8b). Today's two loops share one block grid and run the same
+operations with FP contraction off, and the GPU test of verify against decode checks their bits (it passed on the
+H200 at 1000 keys for chains, trees and 33-deep trees). Keys past start + T are never loaded.
 Split s covers logical keys [s * SPLIT, (s + 1) * SPLIT); the number of splits is cdiv(CAP, SPLIT): it does not
 depend on `start`, and a split past the token's keys runs no iteration and writes a neutral partial (max -inf,
 sum 0, acc 0), which merges as an exact no-op. With one split the kernel normalises and writes `out` directly;
