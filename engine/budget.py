@@ -24,7 +24,7 @@ import torch
 
 from kernels import triton_disabled
 
-from .decode import DecodeSettings, draft_depth
+from .decode import draft_depth
 from .draft import DraftInput
 from .timing import sync
 
@@ -114,7 +114,7 @@ def choose_budgets(bench, workloads: list[str], new_tokens: int, concurrency: li
     drafter = getattr(drafter, "cost", None) or drafter  # an oracle's cost is its draft's
     choices = {}
     block = 0 if drafter is None else drafter.block_size
-    depths = {b: draft_depth(DecodeSettings("ddtree", b), block) for b in budgets}
+    depths = {b: draft_depth("ddtree", b, block) for b in budgets}
     for c in concurrency:
         d = {depth: draft_ms(drafter, target, c, context, depth) for depth in set(depths.values())}
         table = {}

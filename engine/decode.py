@@ -85,12 +85,10 @@ class DecodeSettings:
                 raise EngineError(f"block size must be >= 2 for {self.method}, got {drafter.block_size}")
 
 
-def draft_depth(settings: DecodeSettings, block_size: int) -> int | None:
+def draft_depth(method: str, budget: int, block_size: int) -> int | None:
     """The draft positions a round reads: a DDTree of budget b reaches depth b, so a smaller budget than the block
     needs the draft's LM head over b positions only (DraftInput.depth); None: the whole block."""
-    if settings.method == "ddtree" and 0 < settings.budget < block_size - 1:
-        return settings.budget
-    return None
+    return budget if method == "ddtree" and 0 < budget < block_size - 1 else None
 
 
 def capture_stages(stages: dict) -> dict:
@@ -166,7 +164,7 @@ class Decoder:
         self.nodes = 0 if not self.speculative else self.block_size - 1 if settings.method == "dflash" \
             else settings.budget
         self.feature_layers = tuple(drafter.feature_layers) if self.speculative else ()
-        self.draft_depth = draft_depth(settings, self.block_size)
+        self.draft_depth = draft_depth(settings.method, settings.budget, self.block_size)
         on_gpu = target.device.type == "cuda"
         # The PyTorch references read lengths on the host, so graphs need the Triton kernels, and tree attention
         # has its kernel up to MAX_TRITON_T verified rows (a larger DDTree budget runs eagerly).
