@@ -30,7 +30,7 @@ import torch
 
 from correctness.kernel_harness import assert_interpreted_ok, run_checks_main
 from kernels import tree_attention as ta
-from kernels.tree_attention import tree_attention, tree_attention_reference, tree_attention_triton
+from kernels.tree_attention import tokens_per_tile, tree_attention, tree_attention_reference, tree_attention_triton
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # atol = rtol, vs a float64 reference
@@ -144,6 +144,7 @@ class Case:
     start_form: str = "tensor64"  # tensor64 | tensor32 | int
     q_std: float = 1.0
     check_grid: bool = False
+    packed_starts: tuple | None = None  # the starts at which packed programs are checked too (None: all)
 
 
 def _gqa_t_d_cases(H: int, KVH: int) -> list[Case]:
@@ -154,7 +155,7 @@ def _gqa_t_d_cases(H: int, KVH: int) -> list[Case]:
             CAP = 96
             mid = int(torch.randint(1, CAP - T, (1,), generator=seeded(f"mid{H}{ti}{di}")))
             cases.append(Case(f"g{H // KVH}-T{T}-D{D}", H, KVH, T, D, CAP, [0, mid, CAP - T],
-                              mask=["tree", "deep", "chain"][(H + ti + di) % 3]))
+                              mask=["tree", "deep", "chain"][(H + ti + di) % 3], packed_starts=(mid,)))
     return cases
 
 
@@ -224,6 +225,7 @@ def check_case(case: Case) -> dict:
     q, k, v = make_qkv(case.B, case.H, case.KVH, case.T, case.D, case.CAP, dtype, case.layout, gen, q_std=case.q_std)
     mask = make_mask(case.mask, case.T, gen)
     errors, worst, max_err = [], -math.inf, 0.0
+    packed = tokens_per_tile(case.H // case.KVH)
     spy = None
     if case.check_grid:
         spy = ta._tree_attn_fwd = _GridSpy(ta._tree_attn_fwd)
@@ -237,7 +239,14 @@ def check_case(case: Case) -> dict:
             else:
                 s = start
             kp, vp = poison_tail(k, start + case.T), poison_tail(v, start + case.T)
-            out, outside = run_poisoned(q, kp, vp, s, mask, split_size=case.split_size, block_n=case.block_n)
+            out, outside = run_poisoned(q, kp, vp, s, mask, split_size=case.split_size, block_n=case.block_n,
+                                        tokens_per_program=1)
+            if (packed > 1 and case.T > 1 and not case.check_grid
+                    and start in (case.packed_starts or case.starts)):  # several tokens per program: the same bits
+                other = tree_attention_triton(q, kp, vp, s, mask, split_size=case.split_size, block_n=case.block_n,
+                                              tokens_per_program=packed)
+                if not torch.equal(other, out):
+                    errors.append(f"start={start}: {packed} tokens per program changed the result")
             ref = tree_attention_reference(q.double(), k.double(), v.double(), start, mask)
             e = excess(out, ref, TOL[dtype])
             worst = max(worst, e)
@@ -354,6 +363,15 @@ def test_dispatch_on_cpu_is_the_reference(monkeypatch):
 
 
 @pytest.mark.cpu
+def test_tokens_per_program_is_checked():
+    pytest.importorskip("triton")
+    assert [tokens_per_tile(G) for G in (1, 2, 3, 4, 6, 8, 16, 32)] == [16, 8, 4, 4, 2, 2, 1, 1]
+    q, k, v = make_qkv(1, 8, 2, 5, 16, 64, torch.float32, "contig", seeded("tok"))
+    with pytest.raises(ValueError, match="tokens_per_program must be 1 or 4 for 4 query heads per kv head, got 2"):
+        tree_attention_triton(q, k, v, 0, torch.ones(5, 5, dtype=torch.bool), tokens_per_program=2)
+
+
+@pytest.mark.cpu
 def test_disable_flag(monkeypatch):
     monkeypatch.delenv("ENGINE_DISABLE_TRITON", raising=False)
     assert not ta.triton_disabled()
@@ -367,7 +385,7 @@ def test_disable_flag(monkeypatch):
 # GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-GPU_SHAPES = [(32, 8, 128), (9, 3, 64)]  # Qwen3-8B-like and SmolLM2-135M (H, KVH, D)
+GPU_SHAPES = [(32, 8, 128), (9, 3, 64), (24, 4, 256)]  # Qwen3-8B, SmolLM2-135M, Qwen3.6-27B (H, KVH, D)
 GPU_CAP = 4096
 
 
@@ -397,7 +415,8 @@ def test_gpu_bf16_real_shapes(H, KVH, D, T):
     gen = seeded(f"gpu-{H}-{T}", "cuda")
     q, k, v = make_qkv(1, H, KVH, T, D, GPU_CAP, torch.bfloat16, "contig", gen, device="cuda")
     mask = make_mask("deep" if T > 16 else "tree", T, seeded(f"gpu-mask-{T}")).cuda()
-    _gpu_check(q, k, v, mask, _gpu_starts(T), TOL[torch.bfloat16])
+    for tokens in sorted({1, tokens_per_tile(H // KVH)}):
+        _gpu_check(q, k, v, mask, _gpu_starts(T), TOL[torch.bfloat16], tokens_per_program=tokens)
 
 
 @pytest.mark.gpu
@@ -491,9 +510,11 @@ def test_gpu_dispatch_and_disable_flag(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # Verification reproduces decoding bit for bit (CPU under the interpreter, and GPU)
 
-def decode_invariance_errors(H, KVH, D, CAP, T, starts, mask_kind, dtype, device, **kw) -> list[str]:
+def decode_invariance_errors(H, KVH, D, CAP, T, starts, mask_kind, dtype, device, verify_tokens=None,
+                             **kw) -> list[str]:
     """Each row of a T-row pass must equal, bit for bit, the one-token step that decoding runs for it: its
-    visible new rows (ancestors) committed contiguously after `start`, the token itself last."""
+    visible new rows (ancestors) committed contiguously after `start`, the token itself last. verify_tokens: the
+    verify pass's tokens per program (the kernel's default where None)."""
     gen = seeded(f"invariance-{H}-{T}-{mask_kind}")
     q, k, v = make_qkv(1, H, KVH, T, D, CAP, dtype, "contig", gen, q_std=3.0)
     q, k, v = q.to(device), k.to(device), v.to(device)
@@ -501,7 +522,7 @@ def decode_invariance_errors(H, KVH, D, CAP, T, starts, mask_kind, dtype, device
     one = torch.ones(1, 1, dtype=torch.bool, device=device)
     errors = []
     for start in starts:
-        out = tree_attention_triton(q, k, v, start, mask, **kw)
+        out = tree_attention_triton(q, k, v, start, mask, tokens_per_program=verify_tokens, **kw)
         for t in range(T):
             seen = mask[t].nonzero()[:, 0]
             k1, v1 = k.clone(), v.clone()
@@ -517,12 +538,13 @@ def decode_invariance_errors(H, KVH, D, CAP, T, starts, mask_kind, dtype, device
 def _interpreted_invariance() -> str:
     n = 0
     for mask_kind in ("tree", "chain"):
-        # starts around the 64-key block and (split_size=64) split boundaries, so the new rows straddle them
-        errors = decode_invariance_errors(4, 2, 16, 160, 9, (0, 37, 59, 64, 120), mask_kind, torch.bfloat16, "cpu",
-                                          split_size=64)
-        assert not errors, errors[:5]
-        n += 1
-    return f"{n} masks, rows bit-identical to one-token steps"
+        for tokens in (1, tokens_per_tile(2)):
+            # starts around the 64-key block and (split_size=64) split boundaries, so the new rows straddle them
+            errors = decode_invariance_errors(4, 2, 16, 160, 9, (0, 37, 59, 64, 120), mask_kind, torch.bfloat16,
+                                              "cpu", verify_tokens=tokens, split_size=64)
+            assert not errors, (tokens, errors[:5])
+            n += 1
+    return f"{n} masks x program shapes, rows bit-identical to one-token steps"
 
 
 @pytest.mark.cpu
@@ -536,9 +558,10 @@ def test_interpreter_verify_rows_equal_decode_steps():
 @pytest.mark.parametrize("H,KVH,D", GPU_SHAPES)
 def test_gpu_verify_rows_equal_decode_steps(H, KVH, D):
     for T, kind in ((16, "chain"), (16, "tree"), (33, "deep")):
-        errors = decode_invariance_errors(H, KVH, D, 1100, T, (128, 190, 500 - T // 2, 1000), kind, torch.bfloat16,
-                                          "cuda")
-        assert not errors, f"T={T} {kind}: {errors[:5]}"
+        for tokens in sorted({1, tokens_per_tile(H // KVH)}):
+            errors = decode_invariance_errors(H, KVH, D, 1100, T, (128, 190, 500 - T // 2, 1000), kind,
+                                              torch.bfloat16, "cuda", verify_tokens=tokens)
+            assert not errors, f"T={T} {kind}, {tokens} token(s) per program: {errors[:5]}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

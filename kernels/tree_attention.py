@@ -22,22 +22,24 @@ Three entry points:
 - `tree_attention`: the dispatcher used by the engine (Triton on CUDA for T <= 128, else the reference).
   `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) or `use_triton=False` forces the reference.
 
-Kernel design (`_tree_attn_fwd`): grid (B * KVH, T tokens, key splits). One program owns one token and one kv
-head; its BLOCK_M = max(16, next_pow2(G)) rows are the G query heads of that kv head (padded: tl.dot needs 16).
-The token's keys are taken in *logical order*: the committed rows 0..start-1, then its visible new rows in index
-order (a tree lists every ancestor before its descendants), logical key start + j being the visible new row of
-rank j. The program walks logical keys in BLOCK_N blocks (tl.dot for Q K^T and P V) with an online softmax in
-base 2 (running max, running sum, unnormalised float32 accumulator), in two loops over the same block grid: the
-blocks wholly inside the committed prefix with plain addresses (their loads pipelined ahead: 20-35% faster than
-one loop that computed every block's addresses through the gather), then the blocks that reach the new rows, which
-gather their K/V rows through the token's row list (`visible_rows(node_mask)`, built once per forward pass: a
-gather, where an earlier version matched ranks against all T rows in every block), and keys past the token's last
-one are masked.
+Kernel design (`_tree_attn_fwd`): grid (B * KVH, token groups, key splits). One program owns one kv head and
+TOK tokens: its BLOCK_M = max(16, G_P2) rows are TOK = BLOCK_M // G_P2 tokens' G query heads, G_P2 = next_pow2(G)
+rows each (tl.dot needs 16 rows; at G = 4, the one-token program of earlier versions left 12 of its 16 rows as
+padding, and each of a tree's tokens read the whole prefix again). A token's keys are taken in *logical order*:
+the committed rows 0..start-1, then its visible new rows in index order (a tree lists every ancestor before its
+descendants), logical key start + j being the visible new row of rank j. The program walks logical keys in BLOCK_N
+blocks (tl.dot for Q K^T and P V) with an online softmax in base 2 (running max, running sum, unnormalised float32
+accumulator). The blocks wholly inside the committed prefix are the same for every token: one loop walks them once
+for all the program's rows, with plain addresses (their loads pipelined ahead). Then, token by token, a second
+loop over the same block grid takes the blocks that reach the token's new rows, gathering their K/V rows through
+the token's row list (`visible_rows(node_mask)`, built once per forward pass), masking keys past the token's last
+one and keeping each block's result for that token's rows only.
 So a token's arithmetic, block by block, is that of the one-token decode step at the same position: whether it is
 verified alone, in a chain, or deep in a tree whose siblings sit between its ancestors, the result is the same bit
 for bit (docs/design.md,
-"Exactness": then no divergence can happen at all). Earlier designs were not: tiles of several tokens sharing masked K/V
-blocks put a tree node's ancestors at other offsets inside a block, and an earlier pair of loops for whole prefix
+"Exactness": then no divergence can happen at all). Earlier designs were not: tiles of several tokens sharing the
+blocks that hold new rows, under a mask, put a tree node's ancestors at other offsets inside a block (tokens now
+share only whole prefix blocks, where every key sits at the same offset for all of them), and an earlier pair of loops for whole prefix
 blocks and masked blocks was compiled to differently-rounding code; both made verification differ from decoding in
 the last bit on the H200 (a flipped near-tie on qwen3-8b). Today's two loops share one block grid and run the same
 operations with FP contraction off, and the GPU test of verify against decode checks their bits (it passed on the
@@ -118,33 +120,33 @@ if triton is not None:
                        stride_vb, stride_vh, stride_vn,
                        stride_start, stride_nmb, stride_nm0, stride_nm1, stride_rows_b, stride_rows,
                        stride_ob, stride_oh, stride_ot,
-                       G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T_P2: tl.constexpr,
+                       G: tl.constexpr, G_P2: tl.constexpr, TOK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, T_P2: tl.constexpr,
                        SPLIT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                        FP32_DOT: tl.constexpr, ROUND_P: tl.constexpr, WRITE_OUT: tl.constexpr):
-        """Program (b * KVH + kv head, token, key split): online softmax over the token's keys in logical order."""
+        """Program (b * KVH + kv head, TOK tokens, key split): online softmax over each token's keys in logical
+        order; the committed prefix's blocks are shared by the program's tokens."""
         pid_bk = tl.program_id(0)
-        t = tl.program_id(1)
+        t0 = tl.program_id(1) * TOK
         pid_s = tl.program_id(2)
         b = (pid_bk // KVH).to(tl.int64)
         kvh = (pid_bk % KVH).to(tl.int64)
 
         start = tl.load(start_ptr + b * stride_start).to(tl.int32)  # on the device: graph replays may change it
-        # The token's keys are logical 0 .. start + (visible new rows) - 1: the committed rows, then its visible new
-        # rows in index order (a tree lists ancestors before descendants), the j-th of them rows_ptr[t, j].
-        nodes = tl.arange(0, T_P2)
-        seen = tl.load(nm_ptr + b * stride_nmb + t * stride_nm0 + nodes * stride_nm1, mask=nodes < T, other=0) != 0
-        length = start + tl.sum(seen.to(tl.int32), 0)
-        visible = rows_ptr + b * stride_rows_b + t * stride_rows
 
-        # rows of this program: the G query heads of the kv head (padded to BLOCK_M >= 16 for tl.dot)
+        # rows of this program: TOK tokens x the G query heads of the kv head, G_P2 rows per token (tl.dot needs
+        # BLOCK_M >= 16: one token's heads alone would leave most rows as padding)
         offs_m = tl.arange(0, BLOCK_M)
+        slot = offs_m // G_P2
+        tok = t0 + slot
+        heads = kvh * G + offs_m % G_P2
+        row_ok = (offs_m % G_P2 < G) & (tok < T)
         offs_d = tl.arange(0, D_P2)
         offs_n = tl.arange(0, BLOCK_N)
-        heads = kvh * G + offs_m
-        row_ok = offs_m < G
+        nodes = tl.arange(0, T_P2)
         d_ok = offs_d < D  # D_P2 > D pads the head dim (and D < 16, for tl.dot)
         q_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + t * stride_qt + offs_d[None, :],
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + tok[:, None] * stride_qt + offs_d[None, :],
                     mask=q_mask, other=0.0)
         if FP32_DOT:
             q = q.to(tl.float32)
@@ -156,13 +158,13 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum
         acc = tl.zeros([BLOCK_M, D_P2], dtype=tl.float32)  # unnormalised output
 
+        # A token's keys are logical 0 .. start + (visible new rows) - 1: the committed rows, then its visible new
+        # rows in index order (a tree lists ancestors before descendants), the j-th of them rows_ptr[t, j].
+        # Split s covers logical keys [lo, lo + SPLIT). Every token sees past `start` (itself at least), so the
+        # blocks wholly inside the committed prefix are the same for all of them: walked once for all the rows,
+        # with plain addresses and no masks, so the pipeliner issues their loads ahead.
         lo = pid_s * SPLIT
-        hi = tl.minimum(lo + SPLIT, length)  # hi <= lo: a split past the token's keys, no iteration, neutral
-        # Blocks wholly inside the committed prefix first: plain addresses and no masks, so the pipeliner issues
-        # their loads ahead (a gathered address waits for its index load: two memory round trips per block). The
-        # blocks are those of the loop below (BLOCK_N steps from lo), and each runs the same operations on the same
-        # keys, so a key's block and arithmetic do not depend on where the token's new rows begin.
-        prefix_end = lo + tl.maximum(tl.minimum(hi, start) - lo, 0) // BLOCK_N * BLOCK_N
+        prefix_end = lo + tl.maximum(tl.minimum(lo + SPLIT, start) - lo, 0) // BLOCK_N * BLOCK_N
         for n0 in range(lo, prefix_end, BLOCK_N):
             offs = n0 + offs_n
             kt = tl.load(k_base + offs_d[:, None] + offs[None, :] * stride_kn, mask=d_ok[:, None], other=0.0)
@@ -184,45 +186,61 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        # The rest: the block that reaches the new rows and those after it.
-        for n0 in range(prefix_end, hi, BLOCK_N):
-            offs = n0 + offs_n
-            # committed prefix: logical key = cache row; past it, the visible new row of rank offs - start (a gather
-            # from the token's row list, as paged attention reads its block table). Computed for every block,
-            # without a branch, so that the loads' addresses stay plain arithmetic that the pipeliner can issue ahead.
-            new = (offs >= start) & (offs < hi)
-            node = tl.load(visible + (offs - start), mask=new, other=0)
-            slot = tl.where(offs < start, offs, start + node)
-            kv_ok = (offs < hi) & (slot < CAP)
-            kt = tl.load(k_base + offs_d[:, None] + slot[None, :] * stride_kn,
-                         mask=kv_ok[None, :] & d_ok[:, None], other=0.0)  # K^T block [D_P2, BLOCK_N]
-            v = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :],
-                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_P2]
-            if FP32_DOT:  # float32 inputs (exact, not TF32), or bfloat16 under the interpreter
-                qk = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-            else:
-                qk = tl.dot(q, kt)
-            qk = tl.where(kv_ok[None, :], qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: stay neutral, no NaN
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if FP32_DOT:
-                if ROUND_P:  # round P to 16 bits as the tensor-core path does
-                    p = p.to(v.dtype).to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        # The rest, token by token: the block that reaches the token's new rows and those after it, each block's
+        # result kept for that token's rows only. The blocks are those of the loop above (BLOCK_N steps from lo)
+        # and run the same operations, so a key's block and arithmetic do not depend on where the token's new rows
+        # begin: a row equals the one-token decode step at its position bit for bit.
+        for j in tl.static_range(TOK):
+            tj = t0 + j
+            seen = tl.load(nm_ptr + b * stride_nmb + tj * stride_nm0 + nodes * stride_nm1,
+                           mask=nodes < tl.where(tj < T, T, 0), other=0) != 0  # a token past T sees nothing
+            length = start + tl.sum(seen.to(tl.int32), 0)
+            hi = tl.where(tj < T, tl.minimum(lo + SPLIT, length), lo)  # hi <= lo: no keys in this split
+            visible = rows_ptr + b * stride_rows_b + tj * stride_rows
+            mine = slot == j
+            for n0 in range(prefix_end, hi, BLOCK_N):
+                offs = n0 + offs_n
+                # committed prefix: logical key = cache row; past it, the visible new row of rank offs - start (a
+                # gather from the token's row list, as paged attention reads its block table), computed for every
+                # block without a branch, so that the addresses stay plain arithmetic the pipeliner can issue ahead.
+                new = (offs >= start) & (offs < hi)
+                node = tl.load(visible + (offs - start), mask=new, other=0)
+                cache_row = tl.where(offs < start, offs, start + node)
+                kv_ok = (offs < hi) & (cache_row < CAP)
+                kt = tl.load(k_base + offs_d[:, None] + cache_row[None, :] * stride_kn,
+                             mask=kv_ok[None, :] & d_ok[:, None], other=0.0)  # K^T block [D_P2, BLOCK_N]
+                v = tl.load(v_base + cache_row[:, None] * stride_vn + offs_d[None, :],
+                            mask=kv_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_P2]
+                if FP32_DOT:  # float32 inputs (exact, not TF32), or bfloat16 under the interpreter
+                    qk = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+                else:
+                    qk = tl.dot(q, kt)
+                qk = tl.where(kv_ok[None, :], qk * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: stay neutral, no NaN
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(qk - m_safe[:, None])
+                l_new = l_i * alpha + tl.sum(p, 1)
+                if FP32_DOT:
+                    if ROUND_P:  # round P to 16 bits as the tensor-core path does
+                        p = p.to(v.dtype).to(tl.float32)
+                    acc_new = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                else:
+                    acc_new = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                if TOK == 1:
+                    m_i, l_i, acc = m_new, l_new, acc_new
+                else:
+                    m_i = tl.where(mine, m_new, m_i)
+                    l_i = tl.where(mine, l_new, l_i)
+                    acc = tl.where(mine[:, None], acc_new, acc)
 
         if WRITE_OUT:  # a single split: normalise and write the output rows
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             o = acc / l_safe[:, None]
-            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + t * stride_ot + offs_d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=q_mask)
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + tok[:, None] * stride_ot
+                     + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
         else:  # partials laid out [split, B, H, T] (+ [D] for acc), contiguous
-            row = ((pid_s * B + b) * H + heads) * T + t
+            row = ((pid_s * B + b) * H + heads) * T + tok
             tl.store(pm_ptr + row, m_i, mask=row_ok)
             tl.store(pl_ptr + row, l_i, mask=row_ok)
             tl.store(pacc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=q_mask)
@@ -263,6 +281,12 @@ if triton is not None:
                  o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def tokens_per_tile(G: int) -> int:
+    """The tokens whose G query heads (next_pow2(G) rows each) fit one program's tile of max(16, next_pow2(G))
+    rows: what `tokens_per_program` packs besides 1."""
+    return max(16, next_pow2(G)) // next_pow2(G)
+
+
 def _start_tensor(start, B: int, device) -> torch.Tensor:
     """start on the device: one value for all rows, or one per batch row (then contiguous, [B])."""
     if isinstance(start, torch.Tensor):
@@ -285,7 +309,8 @@ def visible_rows(node_mask: torch.Tensor) -> torch.Tensor:
 def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start,
                           node_mask: torch.Tensor, split_size: int | None = None, block_n: int = BLOCK_N,
                           num_warps: int | None = None, num_stages: int | None = None,
-                          out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                          tokens_per_program: int | None = None) -> torch.Tensor:
     """The Triton kernel. `start`: a 1-element int tensor on q's device (read by the kernel), one per batch row [B],
     or a Python int; node_mask [T, T] (all rows) or [B, T, T]. `rows`: visible_rows(node_mask) where the caller has
     it already.
@@ -293,7 +318,10 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     `out`, if given, is a [B, H, T, D] tensor of q's dtype (any strides with a contiguous last dim) that receives
     the result. `split_size` (keys per split, rounded up to a multiple of `block_n`) fixes the number of splits,
     cdiv(CAP, split_size); the grid depends on shapes only, never on `start`. `num_warps`, `num_stages`: launch
-    overrides, for tuning.
+    overrides, for tuning. `tokens_per_program`: 1, or the tokens that fit the 16-row tile (16 // next_pow2(G));
+    by default the latter for batched calls (B > 1) with T > 1, where there are programs enough to fill the GPU
+    either way and sharing the prefix saves its loads, and 1 otherwise, where the tokens' tails, walked one after
+    another, would lengthen the program that sets the time (docs/performance.md). Every choice gives the same bits.
     """
     if triton is None:
         raise RuntimeError("tree_attention_triton needs triton")
@@ -322,10 +350,20 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if rows is None:
         rows = visible_rows(nm)
 
-    # One token per program, its G query heads in BLOCK_M = max(16, G) rows (tl.dot needs >= 16): every row's
-    # keys are walked in logical order in the same BLOCK_N blocks whether the token is verified alone or with
-    # a tree of others, so the verify pass reproduces the one-token decode step bit for bit.
-    block_m = max(16, next_pow2(G))
+    # TOK tokens per program, each in G_P2 rows (its G query heads, padded): BLOCK_M = 16 rows (tl.dot's minimum)
+    # hold 16 // G_P2 tokens, which then share the committed prefix's K/V loads. Every row's keys are walked in
+    # logical order in the same BLOCK_N blocks whether the token is verified alone, in a chain or in a tree, and
+    # a row's arithmetic does not depend on its place in the tile, so the verify pass reproduces the one-token
+    # decode step bit for bit.
+    g_p2 = next_pow2(G)
+    block_m = max(16, g_p2)
+    if tokens_per_program is None:
+        tok = tokens_per_tile(G) if B > 1 and T > 1 else 1
+    elif tokens_per_program in (1, tokens_per_tile(G)):
+        tok = tokens_per_program
+    else:
+        raise ValueError(f"tokens_per_program must be 1 or {tokens_per_tile(G)} for {G} query heads per kv head, "
+                         f"got {tokens_per_program}")
     split_size = SPLIT_SIZE if split_size is None else split_size
     d_p2 = max(16, next_pow2(D))
     split = triton.cdiv(max(split_size, block_n), block_n) * block_n
@@ -342,7 +380,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         else:
             num_warps = 4 if block_m * d_p2 <= (32 * 128 if is_fp32 else 64 * 128) else 8
     if num_stages is None:  # a deeper pipeline pays where few programs walk many keys (docs/performance.md)
-        num_stages = 3 if B * T <= 16 else 2
+        num_stages = 3 if B * T <= 16 and tok == 1 else 2
 
     write_out = num_splits == 1
     if write_out:
@@ -351,7 +389,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         pacc = torch.empty(num_splits, B, H, T, D, dtype=torch.float32, device=q.device)
         pm = torch.empty(num_splits, B, H, T, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
-    _tree_attn_fwd[(B * KVH, T, num_splits)](
+    _tree_attn_fwd[(B * KVH, triton.cdiv(T, tok), num_splits)](
         q, k_cache, v_cache, start_t, nm, rows, out, pacc, pm, pl,
         B, T, CAP, H, KVH, qk_scale,
         q.stride(0), q.stride(1), q.stride(2),
@@ -360,7 +398,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         start_t.stride(0) if start_t.dim() else 0, nm.stride(0) if nm.dim() == 3 else 0, nm.stride(-2), nm.stride(-1),
         rows.stride(0) if rows.dim() == 3 else 0, rows.stride(-2),
         out.stride(0), out.stride(1), out.stride(2),
-        G=G, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split, D=D, D_P2=d_p2,
+        G=G, G_P2=g_p2, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split, D=D, D_P2=d_p2,
         FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=False)
     if not write_out:
