@@ -140,7 +140,7 @@ if triton is not None:
         slot = offs_m // G_P2
         tok = t0 + slot
         heads = kvh * G + offs_m % G_P2
-        row_ok = (offs_m % G_P2 < G) & (tok < T)
+        row_ok = (offs_m % G_P2 < G) & (slot < TOK) & (tok < T)  # with TOK = 1, the rows past G_P2 are padding
         offs_d = tl.arange(0, D_P2)
         offs_n = tl.arange(0, BLOCK_N)
         nodes = tl.arange(0, T_P2)
