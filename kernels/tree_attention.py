@@ -65,6 +65,7 @@ from kernels import next_pow2, row_values, tl, triton, triton_disabled
 BLOCK_N = 64        # keys per inner-loop block
 SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)
 MAX_TRITON_T = 128  # the dispatcher uses the kernel up to this many new rows
+SMEM_FOR_STAGES = 160 * 1024  # bytes of K/V blocks in flight: the H200 has 227 KiB of shared memory per block
 
 
 def _check_shapes(q, k_cache, v_cache, node_mask):
@@ -319,9 +320,9 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     the result. `split_size` (keys per split, rounded up to a multiple of `block_n`) fixes the number of splits,
     cdiv(CAP, split_size); the grid depends on shapes only, never on `start`. `num_warps`, `num_stages`: launch
     overrides, for tuning. `tokens_per_program`: 1, or the tokens that fit the 16-row tile (16 // next_pow2(G));
-    by default the latter for batched calls (B > 1) with T > 1, where there are programs enough to fill the GPU
-    either way and sharing the prefix saves its loads, and 1 otherwise, where the tokens' tails, walked one after
-    another, would lengthen the program that sets the time (docs/performance.md). Every choice gives the same bits.
+    by default the latter for batched calls (B > 1) with T > 1, where sharing the prefix saves its loads, and 1
+    otherwise, where walking the tokens' tails one after another would lengthen the program that sets the time
+    (docs/performance.md). Every choice gives the same bits.
     """
     if triton is None:
         raise RuntimeError("tree_attention_triton needs triton")
@@ -381,6 +382,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             num_warps = 4 if block_m * d_p2 <= (32 * 128 if is_fp32 else 64 * 128) else 8
     if num_stages is None:  # a deeper pipeline pays where few programs walk many keys (docs/performance.md)
         num_stages = 3 if B * T <= 16 and tok == 1 else 2
+        kv_block_bytes = 2 * block_n * d_p2 * q.element_size()  # one K and one V block per stage in flight
+        num_stages = max(1, min(num_stages, 1 + SMEM_FOR_STAGES // kv_block_bytes))  # float32 at D = 256: 2
 
     write_out = num_splits == 1
     if write_out:
