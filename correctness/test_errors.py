@@ -847,3 +847,26 @@ def test_bad_concurrency(value, capsys):
 def test_ddtree_auto_needs_concurrency(capsys):
     assert main(["bench", "--device", "cpu", "--methods", "ar,ddtree-auto"]) == 2
     assert "use it with --concurrency" in capsys.readouterr().err
+
+
+def test_results_name_a_dirty_checkout(tmp_path, monkeypatch):
+    """A result's git_sha names the commit, marked +dirty where tracked files differ from it: numbers measured on
+    uncommitted code must not pass for the commit's."""
+    from engine import results
+
+    repo = tmp_path / "repo"
+    (repo / "engine").mkdir(parents=True)
+    monkeypatch.setattr(results, "__file__", str(repo / "engine" / "results.py"))
+    assert results.git_sha() is None  # not a git checkout
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    (repo / "engine" / "results.py").write_text("x = 1\n")
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "one"]):
+        subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True)
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    assert results.git_sha() == sha
+    (repo / "engine" / "results.py").write_text("x = 2\n")
+    assert results.git_sha() == sha + "+dirty"
+    (repo / "untracked.txt").write_text("new\n")  # untracked files do not count
+    (repo / "engine" / "results.py").write_text("x = 1\n")
+    assert results.git_sha() == sha

@@ -107,9 +107,13 @@ def atomic_torch_save(obj, path: Path) -> None:
 
 
 def git_sha() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+    """The checkout's commit, with "+dirty" where tracked files differ from it (the numbers are then not that
+    commit's); None outside a git checkout."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent).stdout.strip()
+    try:
+        return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return None
 
