@@ -22,28 +22,28 @@ Three entry points:
 - `tree_attention`: the dispatcher used by the engine (Triton on CUDA for T <= 128, else the reference).
   `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) or `use_triton=False` forces the reference.
 
-Kernel design (`_tree_attn_fwd`): grid (B * KVH, token groups, key splits). One program owns one kv head and
-TOK tokens: its BLOCK_M = max(16, G_P2) rows hold TOK tokens' G query heads, G_P2 = next_pow2(G) rows each. TOK is
-1, or, where the batch is large (PACK_MIN_WORK), as many as fit, BLOCK_M // G_P2: tl.dot needs 16 rows, so at G = 4
-a one-token program leaves 12 of them as padding, and each of a tree's tokens reads the whole prefix again. A token's keys are taken in *logical order*:
-the committed rows 0..start-1, then its visible new rows in index order (a tree lists every ancestor before its
-descendants), logical key start + j being the visible new row of rank j. The program walks logical keys in BLOCK_N
-blocks (tl.dot for Q K^T and P V) with an online softmax in base 2 (running max, running sum, unnormalised float32
-accumulator). The blocks wholly inside the committed prefix are the same for every token: one loop walks them once
-for all the program's rows, with plain addresses (their loads pipelined ahead). Then, token by token, a second
-loop over the same block grid takes the blocks that reach the token's new rows, gathering their K/V rows through
-the token's row list (`visible_rows(node_mask)`, built once per forward pass), masking keys past the token's last
-one and keeping each block's result for that token's rows only.
+Kernel design (`_tree_attn_fwd`): grid (B * KVH, token groups, key splits). One program owns one kv head and TOK
+tokens: its BLOCK_M = max(16, G_P2) rows hold TOK tokens' G query heads, G_P2 = next_pow2(G) rows each. TOK is 1,
+or, where the batch is large (PACK_MIN_WORK), as many as fit, BLOCK_M // G_P2: tl.dot needs 16 rows, so at G = 4 a
+one-token program leaves 12 of them as padding, and each of a tree's tokens reads the whole prefix again. A token's
+keys are taken in *logical order*: the committed rows 0..start-1, then its visible new rows in index order (a tree
+lists every ancestor before its descendants), logical key start + j being the visible new row of rank j. The program
+walks logical keys in BLOCK_N blocks (tl.dot for Q K^T and P V) with an online softmax in base 2 (running max,
+running sum, unnormalised float32 accumulator). The blocks wholly inside the committed prefix are the same for every
+token: one loop walks them once for all the program's rows, with plain addresses (their loads pipelined ahead).
+Then, token by token, a second loop over the same block grid takes the blocks that reach the token's new rows,
+gathering their K/V rows through the token's row list (`visible_rows(node_mask)`, built once per forward pass),
+masking keys past the token's last one and keeping each block's result for that token's rows only.
 So a token's arithmetic, block by block, is that of the one-token decode step at the same position: whether it is
 verified alone, in a chain, or deep in a tree whose siblings sit between its ancestors, the result is the same bit
-for bit (docs/design.md,
-"Exactness": then no divergence can happen at all). Earlier designs were not: tiles of several tokens sharing the
-blocks that hold new rows, under a mask, put a tree node's ancestors at other offsets inside a block (tokens now
-share only whole prefix blocks, where every key sits at the same offset for all of them), and an earlier pair of loops for whole prefix
-blocks and masked blocks was compiled to differently-rounding code; both made verification differ from decoding in
-the last bit on the H200 (a flipped near-tie on qwen3-8b). Today's two loops share one block grid and run the same
-operations with FP contraction off, and the GPU test of verify against decode checks their bits (it passed on the
-H200 at 1000 keys for chains, trees and 33-deep trees). Keys past start + T are never loaded.
+for bit (docs/design.md, "Exactness": then no divergence can happen at all). Earlier designs were not: tiles of
+several tokens sharing the blocks that hold new rows, under a mask, put a tree node's ancestors at other offsets
+inside a block (tokens now share only whole prefix blocks, where every key sits at the same offset for all of them),
+and an earlier pair of loops for whole prefix blocks and masked blocks was compiled to differently-rounding code;
+both made verification differ from decoding in the last bit on the H200 (a flipped near-tie on qwen3-8b). Today's
+two loops share one block grid and run the same operations with FP contraction off, and the GPU test of verify
+against decode checks their bits (it passed on the H200 at 1000 keys for chains, trees and 33-deep trees, with one
+token and with packed tokens per program, 2026-12-04). Keys past start + T are never loaded.
 Split s covers logical keys [s * SPLIT, (s + 1) * SPLIT); the number of splits is cdiv(CAP, SPLIT): it does not
 depend on `start`, and a split past the token's keys runs no iteration and writes a neutral partial (max -inf,
 sum 0, acc 0), which merges as an exact no-op. With one split the kernel normalises and writes `out` directly;
@@ -404,7 +404,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         start_t.stride(0) if start_t.dim() else 0, nm.stride(0) if nm.dim() == 3 else 0, nm.stride(-2), nm.stride(-1),
         rows.stride(0) if rows.dim() == 3 else 0, rows.stride(-2),
         out.stride(0), out.stride(1), out.stride(2),
-        G=G, G_P2=g_p2, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split, D=D, D_P2=d_p2,
+        G=G, G_P2=g_p2, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split, D=D,
+        D_P2=d_p2,
         FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=False)
     if not write_out:
