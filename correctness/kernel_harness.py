@@ -1,7 +1,8 @@
-"""Shared by the kernel tests: running Triton kernels under the interpreter in a subprocess (CPU), and logits that
-trip row-wise kernels. (Kernel times are measured by python -m perf.kernel_times, not here.)"""
+"""Shared by the kernel tests: running Triton kernels under the interpreter in a subprocess (CPU), with the programs
+in reverse order where a test asks, and logits that trip row-wise kernels. (Kernel times are measured by python -m perf.kernel_times, not here.)"""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -27,6 +28,33 @@ def assert_interpreted_ok(module: str, check: str) -> None:
     proc = run_interpreted(module, check)
     assert proc.returncode == 0 and "OK" in proc.stdout, \
         f"interpreter check {check} failed\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+@contextlib.contextmanager
+def programs_in_reverse():
+    """Under TRITON_INTERPRET=1 the programs run one after another in grid order, so a program that writes rows
+    another program owns goes unseen whenever the owner runs later and overwrites them. Reversed, the owner runs
+    first and the stray write shows (a GPU runs programs in no fixed order)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    if not hasattr(builder, "set_grid_idx") or not hasattr(builder, "set_grid_dim"):
+        raise RuntimeError("triton's interpreter has no set_grid_idx / set_grid_dim: update programs_in_reverse")
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+    dims = [1, 1, 1]
+
+    def reversed_dim(x, y, z):
+        dims[:] = [x, y, z]
+        set_dim(x, y, z)
+
+    def reversed_idx(x, y, z):
+        set_idx(dims[0] - 1 - x, dims[1] - 1 - y, dims[2] - 1 - z)
+
+    builder.set_grid_dim, builder.set_grid_idx = reversed_dim, reversed_idx
+    try:
+        yield
+    finally:
+        del builder.set_grid_dim, builder.set_grid_idx  # the class's methods again
 
 
 def assert_close_ulps(got: torch.Tensor, want: torch.Tensor, context: str, *, fp32_tol: float, atol: float,

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from correctness.kernel_harness import assert_interpreted_ok, run_checks_main
+from correctness.kernel_harness import assert_interpreted_ok, programs_in_reverse, run_checks_main
 from kernels import tree_attention as ta
 from kernels.tree_attention import tokens_per_tile, tree_attention, tree_attention_reference, tree_attention_triton
 
@@ -241,10 +241,17 @@ def check_case(case: Case) -> dict:
             kp, vp = poison_tail(k, start + case.T), poison_tail(v, start + case.T)
             out, outside = run_poisoned(q, kp, vp, s, mask, split_size=case.split_size, block_n=case.block_n,
                                         tokens_per_program=1)
+            if start == case.starts[0] and not case.check_grid:  # programs in the other order: the same bits
+                with programs_in_reverse():
+                    other = tree_attention_triton(q, kp, vp, s, mask, split_size=case.split_size,
+                                                  block_n=case.block_n, tokens_per_program=1)
+                if not torch.equal(other, out):
+                    errors.append(f"start={start}: the result depends on the order the programs run in")
             if (packed > 1 and case.T > 1 and not case.check_grid
                     and start in (case.packed_starts or case.starts)):  # several tokens per program: the same bits
-                other = tree_attention_triton(q, kp, vp, s, mask, split_size=case.split_size, block_n=case.block_n,
-                                              tokens_per_program=packed)
+                with programs_in_reverse():
+                    other = tree_attention_triton(q, kp, vp, s, mask, split_size=case.split_size,
+                                                  block_n=case.block_n, tokens_per_program=packed)
                 if not torch.equal(other, out):
                     errors.append(f"start={start}: {packed} tokens per program changed the result")
             ref = tree_attention_reference(q.double(), k.double(), v.double(), start, mask)
