@@ -32,12 +32,15 @@ BUILD = dict(logp_ptr=F32, ids_ptr=I64, tokens_ptr=I64, parents_ptr=I64, depths_
              count_ptr=I64)
 # (name, kernel, pointer and float argument types (others: i32), constexprs, compile options)
 CASES = [
-    ("tree attention, 27B shape, 65 rows", tree_attention._tree_attn_fwd, ATTENTION,
-     dict(G=6, BLOCK_M=16, BLOCK_N=64, T_P2=128, SPLIT=512, D=256, D_P2=256, FP32_DOT=False, ROUND_P=True,
-          WRITE_OUT=True), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
+    ("tree attention, 27B shape, 65 rows, 2 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
+     dict(G=6, G_P2=8, TOK=2, BLOCK_M=16, BLOCK_N=64, T_P2=128, SPLIT=512, D=256, D_P2=256, FP32_DOT=False,
+          ROUND_P=True, WRITE_OUT=True), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
     ("tree attention, 8B shape, decode, split keys", tree_attention._tree_attn_fwd, ATTENTION,
-     dict(G=4, BLOCK_M=16, BLOCK_N=64, T_P2=2, SPLIT=512, D=128, D_P2=128, FP32_DOT=False, ROUND_P=True,
-          WRITE_OUT=False), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
+     dict(G=4, G_P2=4, TOK=1, BLOCK_M=16, BLOCK_N=64, T_P2=2, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
+          ROUND_P=True, WRITE_OUT=False), dict(num_warps=2, num_stages=3, enable_fp_fusion=False)),
+    ("tree attention, 8B shape, c8 verify, 4 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
+     dict(G=4, G_P2=4, TOK=4, BLOCK_M=16, BLOCK_N=64, T_P2=16, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
+          ROUND_P=True, WRITE_OUT=True), dict(num_warps=2, num_stages=2, enable_fp_fusion=False)),
     ("compact_kv", tree_ops._compact_kv_kernel, dict(k_ptr=BF16, v_ptr=BF16, start_ptr=I64, path_ptr=I64,
                                                      accepted_ptr=I64),
      dict(B=4, H=8, DH=128, P=16, BLOCK_D=128), dict(num_warps=1)),
