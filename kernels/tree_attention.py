@@ -24,7 +24,7 @@ Three entry points:
 
 Kernel design (`_tree_attn_fwd`): grid (B * KVH, token groups, key splits). One program owns one kv head and TOK
 tokens: its BLOCK_M = max(16, G_P2) rows hold TOK tokens' G query heads, G_P2 = next_pow2(G) rows each. TOK is 1,
-or, where the batch is large (PACK_MIN_WORK), as many as fit, BLOCK_M // G_P2: tl.dot needs 16 rows, so at G = 4 a
+or, in batched calls, as many as fit, BLOCK_M // G_P2: tl.dot needs 16 rows, so at G = 4 a
 one-token program leaves 12 of them as padding, and each of a tree's tokens reads the whole prefix again. A token's
 keys are taken in *logical order*: the committed rows 0..start-1, then its visible new rows in index order (a tree
 lists every ancestor before its descendants), logical key start + j being the visible new row of rank j. The program
@@ -65,10 +65,6 @@ from kernels import next_pow2, row_values, tl, triton, triton_disabled
 BLOCK_N = 64        # keys per inner-loop block
 SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)
 MAX_TRITON_T = 128  # the dispatcher uses the kernel up to this many new rows
-# Tokens share programs where the one-token grid is this large (B * KVH * T * D: 1024 programs of 128-wide heads)
-# or larger: there sharing the prefix's loads pays; below it, walking several tokens' tails one after another
-# lengthens the program that sets the time (the H200 probe in docs/performance.md).
-PACK_MIN_WORK = 1024 * 128
 SMEM_FOR_STAGES = 160 * 1024  # bytes of K/V blocks in flight: the H200 has 227 KiB of shared memory per block
 
 
@@ -324,8 +320,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     the result. `split_size` (keys per split, rounded up to a multiple of `block_n`) fixes the number of splits,
     cdiv(CAP, split_size); the grid depends on shapes only, never on `start`. `num_warps`, `num_stages`: launch
     overrides, for tuning. `tokens_per_program`: 1, or the tokens that fit the 16-row tile (16 // next_pow2(G));
-    by default the latter where T > 1 and B * KVH * T * D >= PACK_MIN_WORK, else 1. Every choice gives the same
-    bits.
+    by default the latter for batched calls (B > 1) with T > 1, 1 otherwise (docs/performance.md: packing pays
+    from 8 rows of 16 tokens and costs at 1 to 4). Every choice gives the same bits.
     """
     if triton is None:
         raise RuntimeError("tree_attention_triton needs triton")
@@ -362,7 +358,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     g_p2 = next_pow2(G)
     block_m = max(16, g_p2)
     if tokens_per_program is None:
-        tok = tokens_per_tile(G) if T > 1 and B * KVH * T * D >= PACK_MIN_WORK else 1
+        tok = tokens_per_tile(G) if B > 1 and T > 1 else 1
     elif tokens_per_program in (1, tokens_per_tile(G)):
         tok = tokens_per_program
     else:
