@@ -1,5 +1,6 @@
 """Shared by the kernel tests: running Triton kernels under the interpreter in a subprocess (CPU), with the programs
-in reverse order where a test asks, and logits that trip row-wise kernels. (Kernel times are measured by python -m perf.kernel_times, not here.)"""
+in reverse order where a test asks, and logits that trip row-wise kernels. (Kernel times are measured by
+python -m perf.kernel_times, not here.)"""
 from __future__ import annotations
 
 import contextlib

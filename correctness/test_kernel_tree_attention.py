@@ -241,19 +241,19 @@ def check_case(case: Case) -> dict:
             kp, vp = poison_tail(k, start + case.T), poison_tail(v, start + case.T)
             out, outside = run_poisoned(q, kp, vp, s, mask, split_size=case.split_size, block_n=case.block_n,
                                         tokens_per_program=1)
-            if start == case.starts[0] and not case.check_grid:  # programs in the other order: the same bits
+            # The same bits with the programs run in reverse order (a stray write then shows), and with several
+            # tokens per program.
+            variants = []
+            if not case.check_grid and start == case.starts[0]:
+                variants.append((1, "the result depends on the order the programs run in"))
+            if not case.check_grid and packed > 1 and case.T > 1 and start in (case.packed_starts or case.starts):
+                variants.append((packed, f"{packed} tokens per program changed the result"))
+            for tokens, problem in variants:
                 with programs_in_reverse():
                     other = tree_attention_triton(q, kp, vp, s, mask, split_size=case.split_size,
-                                                  block_n=case.block_n, tokens_per_program=1)
+                                                  block_n=case.block_n, tokens_per_program=tokens)
                 if not torch.equal(other, out):
-                    errors.append(f"start={start}: the result depends on the order the programs run in")
-            if (packed > 1 and case.T > 1 and not case.check_grid
-                    and start in (case.packed_starts or case.starts)):  # several tokens per program: the same bits
-                with programs_in_reverse():
-                    other = tree_attention_triton(q, kp, vp, s, mask, split_size=case.split_size,
-                                                  block_n=case.block_n, tokens_per_program=packed)
-                if not torch.equal(other, out):
-                    errors.append(f"start={start}: {packed} tokens per program changed the result")
+                    errors.append(f"start={start}: {problem}")
             ref = tree_attention_reference(q.double(), k.double(), v.double(), start, mask)
             e = excess(out, ref, TOL[dtype])
             worst = max(worst, e)
