@@ -62,6 +62,16 @@ def test_synthetic_qwen3_lossless_on_gpu():
     assert check_pair(target, prompts, 48) >= 0.9  # spread synthetic logits: near-ties are rare
 
 
+def test_skinny_linear_model_lossless_on_gpu():
+    """A model narrow enough for kernels.skinny_linear (SmolLM2-135M's shape): norms and SiLU fused into its GEMMs,
+    verify still equal to decode."""
+    target = engine.load_target("synthetic:smollm2-135m", "cuda", torch.bfloat16)
+    assert all(block.skinny for block in target.model.layers)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, target.model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 140)]
+    assert check_pair(target, prompts, 48) >= 0.9
+
+
 def test_budget_past_the_tree_attention_kernel_runs_eagerly():
     """More verified rows than tree attention's kernel takes (MAX_TRITON_T): no CUDA graphs (the reference reads
     lengths on the host, which a graph cannot hold), and still lossless."""

@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backend = pytest.importorskip("triton.backends.compiler")
 
-from kernels import fused, gated_delta, tree_attention, tree_ops  # noqa: E402
+from kernels import fused, gated_delta, skinny_linear, tree_attention, tree_ops  # noqa: E402
 
 H200 = backend.GPUTarget("cuda", 90, 32)
 
@@ -30,6 +30,15 @@ ATTENTION = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, start_ptr=I64, nm_ptr=U8, r
                  pacc_ptr=F32, pm_ptr=F32, pl_ptr=F32, qk_scale="fp32")
 BUILD = dict(logp_ptr=F32, ids_ptr=I64, tokens_ptr=I64, parents_ptr=I64, depths_ptr=I64, visible_ptr=U8,
              count_ptr=I64)
+SKINNY = dict(x_ptr=BF16, res_ptr=BF16, norm_ptr=BF16, w_ptr=BF16, b_ptr=BF16, y_ptr=BF16, h_ptr=BF16, eps="fp32")
+
+
+def skinny_constexprs(N: int, K: int) -> dict:
+    block_n, block_k, _, stages = skinny_linear.skinny_config(N, K)
+    return dict(BLOCK_M=skinny_linear.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=False,
+                SOFT_RNE_OUT=False)
+
+
 # (name, kernel, pointer and float argument types (others: i32), constexprs, compile options)
 CASES = [
     ("tree attention, 27B shape, 65 rows, 2 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
@@ -55,6 +64,12 @@ CASES = [
           kc_ptr=BF16, vc_ptr=BF16, eps="fp32"),
      dict(HAS_QN=True, HAS_KN=True, D=128, D_P2=128, R=128, SOFT_RNE=False), dict(num_warps=1,
                                                                                  enable_fp_fusion=False)),
+    ("skinny linear, norm + residual prologue (SmolLM2 qkv)", skinny_linear._skinny_kernel, SKINNY,
+     dict(NORM=True, HAS_RES=True, GLU=False, HAS_BIAS=False, **skinny_constexprs(960, 576)), dict(num_warps=4)),
+    ("skinny linear, SiLU * up epilogue (SmolLM2 gate/up)", skinny_linear._skinny_kernel, SKINNY,
+     dict(NORM=True, HAS_RES=True, GLU=True, HAS_BIAS=False, **skinny_constexprs(1536, 576)), dict(num_warps=4)),
+    ("skinny linear, plain with bias (SmolLM2 down)", skinny_linear._skinny_kernel, SKINNY,
+     dict(NORM=False, HAS_RES=False, GLU=False, HAS_BIAS=True, **skinny_constexprs(576, 1536)), dict(num_warps=2)),
     ("gated delta recurrence, 27B shape", gated_delta._gated_delta_kernel,
      dict(mixed=BF16, a_ptr=BF16, b_ptr=BF16, A_log=F32, dt_bias=F32, state=F32, state_out=F32, out=BF16,
           paths=I32, lengths=I32, starts=I32, scale="fp32"),

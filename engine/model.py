@@ -16,6 +16,7 @@ from torch import nn
 
 from kernels.fused import qk_norm_rope_store, rmsnorm, silu_mul
 from kernels.gated_delta import TreeSchedule, chain_schedule
+from kernels.skinny_linear import skinny_linear, skinny_linear_applies
 from kernels.tree_attention import tree_attention, visible_rows
 
 from .cache import AttentionLayerCache, ModelCache
@@ -43,6 +44,18 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the residual add is fused into the norm's kernel."""
         return rmsnorm(x, self.weight, self.eps, residual)
+
+    def linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+               glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(x + residual)), x + residual) in one kernel (kernels.skinny_linear); glu: silu(gate) * up of
+        the gate/up projection."""
+        y, h = skinny_linear(x, weight, bias, norm=self.weight, eps=self.eps, residual=residual, glu=glu)
+        return y, x if h is None else h
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: bool) -> torch.Tensor:
+    """F.linear, or kernels.skinny_linear on the layers of a launch-bound model (Block.skinny)."""
+    return skinny_linear(x, weight, bias)[0] if skinny else F.linear(x, weight, bias)
 
 
 class Rotary:
@@ -103,6 +116,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.eps = cfg.rms_norm_eps
         self.tp = None  # engine.parallel.TensorParallel once sharded: o_proj is row-parallel
+        self.skinny = False  # set by fuse_projections: kernels.skinny_linear for the projections
 
     def fuse(self) -> None:
         """One GEMM for q, k and v (and the output gate): the weights become views of one concatenated matrix. A
@@ -123,7 +137,10 @@ class Attention(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Project [B, T, hidden]; store the (normed, rotated) keys and the values at the cache slots [T]; return the
         (normed, rotated) queries [B, heads, T, head_dim] and the output gate [B, T, heads * head_dim] (or None)."""
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        return self.heads(linear(x, self.qkv_weight, self.qkv_bias, self.skinny), cos, sin, layer_cache, slots)
+
+    def heads(self, qkv, cos, sin, layer_cache: AttentionLayerCache, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`project` after its GEMM: qkv [B, T, (q [+ gate] + k + v) widths] -> (queries, gate)."""
         gate = None
         if self.output_gate:
             width = self.num_heads * self.head_dim
@@ -148,11 +165,16 @@ class Attention(nn.Module):
         o = o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        out = self.o_proj(o)
+        out = linear(o, self.o_proj.weight, self.o_proj.bias, self.skinny)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def forward(self, x, rows: Rows, layer_cache: AttentionLayerCache) -> torch.Tensor:
-        q, gate = self.project(x, rows.cos, rows.sin, layer_cache, rows.slots)
+    def forward(self, x, rows: Rows, layer_cache: AttentionLayerCache, qkv: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """x [B, T, hidden] -> the attention block's output; qkv: x's projection, already computed (Block)."""
+        if qkv is None:
+            q, gate = self.project(x, rows.cos, rows.sin, layer_cache, rows.slots)
+        else:
+            q, gate = self.heads(qkv, rows.cos, rows.sin, layer_cache, rows.slots)
         if rows.node_mask is None:  # whole sequences from slot 0: causal over the rows just stored, no host read
             T = q.shape[2]
             o = F.scaled_dot_product_attention(q, layer_cache.k[:, :, :T], layer_cache.v[:, :, :T], is_causal=True,
@@ -168,6 +190,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.tp = None  # once sharded: down_proj is row-parallel
+        self.skinny = False  # set by fuse_projections: kernels.skinny_linear for the projections
 
     def fuse(self) -> None:
         """One GEMM for gate and up: both weights become views of one concatenated matrix."""
@@ -175,7 +198,13 @@ class MLP(nn.Module):
         self.gate_up_bias = _fused((self.gate_proj, self.up_proj), "bias")
 
     def forward(self, x):
-        out = self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+        if self.skinny:
+            return self.down(skinny_linear(x, self.gate_up_weight, self.gate_up_bias, glu=True)[0])
+        return self.down(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+
+    def down(self, act: torch.Tensor) -> torch.Tensor:
+        """The down projection of act = silu(gate) * up [..., intermediate]."""
+        out = linear(act, self.down_proj.weight, self.down_proj.bias, self.skinny)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -207,6 +236,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.skinny = False  # set by fuse_projections: the norms run inside the projections' kernels
 
     @property
     def mixer(self) -> nn.Module:
@@ -216,15 +246,26 @@ class Block(nn.Module):
         """The residual stream arrives as residual + pending, `pending` being the previous block's MLP output not
         yet added: the add is fused into this block's first norm. Returns (this block's MLP output, the residual
         stream before it) in the same form."""
+        if self.skinny:  # six kernels a layer: the norms run in the GEMMs' prologues, SiLU * up in an epilogue
+            attn, mlp = self.self_attn, self.mlp
+            qkv, residual = self.input_layernorm.linear(pending, residual, attn.qkv_weight, attn.qkv_bias)
+            act, residual = self.post_attention_layernorm.linear(attn(None, rows, layer_cache, qkv), residual,
+                                                                 mlp.gate_up_weight, mlp.gate_up_bias, glu=True)
+            return mlp.down(act), residual
         h, residual = self.input_layernorm(pending, residual)
         h, residual = self.post_attention_layernorm(self.mixer(h, rows, layer_cache), residual)
         return self.mlp(h), residual
 
 
 def fuse_projections(blocks) -> None:
+    """One GEMM for q, k, v and one for gate, up; kernels.skinny_linear where the model is launch-bound."""
     for block in blocks:
         block.mixer.fuse()
         block.mlp.fuse()
+        mixer = block.mixer
+        skinny = (isinstance(mixer, Attention) and not mixer.output_gate
+                  and skinny_linear_applies(block.mlp.gate_up_weight))
+        block.skinny = mixer.skinny = block.mlp.skinny = skinny
 
 
 class Transformer(nn.Module):

@@ -5,6 +5,8 @@
 - topk: the top-k tokens and log-probabilities of each draft depth (the tree builder's input);
 - tree_ops: best-first tree build, the walk, and KV-cache compaction for all layers in one launch;
 - fused: RMSNorm + residual add, q/k RMSNorm + RoPE + KV-cache store, SiLU(gate) * up.
+- skinny_linear: a projection with its RMSNorm (and residual add) in the prologue and SiLU(gate) * up in the
+  epilogue, batch-invariant, for launch-bound models (SmolLM2-135M's width).
 - cross_entropy: per-row cross-entropy and argmax over the vocabulary, with its gradient (draft training's loss).
 
 Each public function dispatches to its Triton kernel for CUDA tensors and to the reference otherwise;

@@ -1,0 +1,185 @@
+"""kernels.skinny_linear: the kernel against its reference, a row's result independent of the rows beside it (bit for
+bit), and the model's layers wired through it.
+
+CPU: the reference directly; the kernel under the Triton interpreter in a subprocess (`python -m
+correctness.test_kernel_skinny_linear CHECK`), also with its programs in reverse order. GPU: SmolLM2-135M's shapes at
+1 to 128 rows, and a CUDA-graph replay. Outputs are NaN-poisoned first (out= and h_out= buffers), so an element the
+kernel fails to write shows.
+
+Tolerances: as kernels.fused's tests (bf16: a float32 sum in another order can flip one rounding; at most 1% of the
+elements may differ, each by a few ulps). Batch invariance is exact: the same row's bits at every row count.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from correctness.kernel_harness import (assert_close_ulps, assert_interpreted_ok, programs_in_reverse,
+                                        run_checks_main)
+from kernels.skinny_linear import skinny_linear, skinny_linear_applies, skinny_linear_reference, skinny_linear_triton
+
+EPS = 1e-5
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def assert_close(got, want, context):
+    assert_close_ulps(got, want, context, fp32_tol=1e-5, atol=2 ** -5, rtol=2 ** -6, max_differing=0.01)
+
+
+def case(gen, M, N, K, kind, dtype, device="cpu", bias=False):
+    """Inputs of one call: kind is plain, norm (no residual), norm_res, or glu (norm + residual + SiLU * up)."""
+    rows = 2 * N if kind == "glu" else N
+    r = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)  # noqa
+    kw = dict(weight=r(rows, K, scale=K ** -0.5), bias=r(rows) if bias else None, eps=EPS, glu=kind == "glu")
+    if kind != "plain":
+        kw["norm"] = r(K)
+    if kind in ("norm_res", "glu"):
+        kw["residual"] = r(M, K)
+    return r(M, K, scale=2.0), kw
+
+
+def check(gen, M, N, K, kind, dtype, device="cpu", bias=False, reverse=False) -> None:
+    context = f"M={M} N={N} K={K} {kind} {dtype}{' bias' if bias else ''}"
+    x, kw = case(gen, M, N, K, kind, dtype, device, bias)
+    want_y, want_h = skinny_linear_reference(x, **kw)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+    h_out = torch.full_like(x, float("nan")) if "residual" in kw else None
+    y, h = skinny_linear_triton(x, **kw, out=out, h_out=h_out)
+    assert y is out and h is h_out, f"{context}: outputs not written into out= / h_out="
+    assert_close(y, want_y, f"{context} y")
+    if h is not None:
+        assert torch.equal(h, want_h), f"{context}: h = x + residual differs"
+    for lo, hi in ((0, 1), (M - 1, M), (M // 3, M // 3 + 5)):  # rows alone or among others: the same bits
+        part = {k: (v[lo:hi] if k == "residual" else v) for k, v in kw.items()}
+        assert torch.equal(skinny_linear_triton(x[lo:hi], **part)[0], y[lo:hi]), f"{context}: rows {lo}:{hi} differ"
+    if reverse:
+        with programs_in_reverse():
+            assert torch.equal(skinny_linear_triton(x, **kw)[0], y), f"{context}: depends on the program order"
+
+
+# ------------------------------------------------------------------------------------------ interpreter (CPU)
+
+def _interp_shapes() -> str:
+    gen = torch.Generator().manual_seed(1)
+    n = 0
+    for M, N, K, kind, bias in ((1, 40, 72, "norm_res", False), (17, 33, 300, "plain", True), (5, 24, 64, "glu", True),
+                                (33, 64, 40, "norm", False), (20, 16, 520, "glu", False)):
+        for dtype in (torch.bfloat16, torch.float16):
+            check(gen, M, N, K, kind, dtype, bias=bias, reverse=M > 16)
+            n += 1
+    return f"{n} cases"
+
+
+CHECKS = {"shapes": _interp_shapes}
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_kernel_under_interpreter(name):
+    pytest.importorskip("triton")
+    assert_interpreted_ok("correctness.test_kernel_skinny_linear", name)
+
+
+# ------------------------------------------------------------------------------------------ CPU
+
+@pytest.mark.cpu
+def test_reference_is_the_unfused_layer():
+    """The reference = kernels.fused's rmsnorm, then F.linear, then silu_mul (what an unfused layer runs)."""
+    from kernels.fused import rmsnorm_reference, silu_mul_reference
+
+    gen = torch.Generator().manual_seed(2)
+    x, kw = case(gen, 3, 8, 16, "glu", torch.float32, bias=True)
+    a, h = rmsnorm_reference(x, kw["norm"], EPS, kw["residual"])
+    y, h2 = skinny_linear_reference(x, **kw)
+    assert torch.equal(y, silu_mul_reference(torch.nn.functional.linear(a, kw["weight"], kw["bias"])))
+    assert torch.equal(h2, h)
+
+
+@pytest.mark.cpu
+def test_bad_arguments_are_refused():
+    gen = torch.Generator().manual_seed(3)
+    x, kw = case(gen, 2, 8, 16, "norm_res", torch.float32)
+    with pytest.raises(ValueError, match="last dim"):
+        skinny_linear_reference(x[:, :8], **kw)
+    with pytest.raises(ValueError, match="even rows"):
+        skinny_linear_reference(x, kw["weight"][:7], glu=True)
+    with pytest.raises(ValueError, match="residual needs a norm"):
+        skinny_linear_reference(x, kw["weight"], residual=kw["residual"])
+    with pytest.raises(ValueError, match="16-bit"):
+        skinny_linear_triton(x, **kw)  # float32
+    assert not skinny_linear_applies(kw["weight"])  # a CPU weight
+
+
+@pytest.mark.cpu
+def test_env_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("ENGINE_SKINNY_LINEAR", "yes")
+    with pytest.raises(ValueError, match="ENGINE_SKINNY_LINEAR"):
+        skinny_linear_applies(torch.zeros(4, 4))
+
+
+@pytest.mark.cpu
+def test_model_wired_through_the_kernel_equals_the_unfused_model(tiny_checkpoints):
+    """A float32 model on the CPU with its layers switched to the skinny path (the reference does what the kernel
+    does) gives the same logits, bit for bit, and the same decoding: the residual stream, the norms' fusion and the
+    SiLU epilogue are wired as in the unfused layers."""
+    import engine
+
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    model = target.model
+    prompt = [3, 5, 9, 2, 7, 3, 11]
+    tokens, positions = torch.tensor([prompt]), torch.arange(len(prompt))[None]
+    mask = torch.ones(len(prompt), len(prompt), dtype=torch.bool).tril()
+
+    def logits():
+        return model.logits(model(tokens, positions, model.new_cache(64), mask)[0])
+
+    plain = logits()
+    ar = engine.Decoder(model).generate(prompt, 16).tokens
+    oracle = engine.OracleDrafter(prompt + ar, model.cfg.vocab_size, 8, miss_rate=0.25, seed=0)
+    for block in model.layers:
+        block.skinny = block.self_attn.skinny = block.mlp.skinny = True
+    try:
+        assert torch.equal(logits(), plain)
+        result = engine.Decoder(model, oracle, engine.DecodeSettings("ddtree", 8)).generate(prompt, 16)
+        assert result.tokens == ar and result.tau > 1.5
+    finally:
+        for block in model.layers:
+            block.skinny = block.self_attn.skinny = block.mlp.skinny = False
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+SMOLLM2 = [(960, 576, "norm_res"), (576, 576, "plain"), (1536, 576, "glu"), (576, 1536, "plain")]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("N,K,kind", SMOLLM2)
+def test_gpu_smollm2_shapes(N, K, kind):
+    gen = torch.Generator().manual_seed(N + K)
+    for M in (1, 16, 65, 128):
+        check(gen, M, N, K, kind, torch.bfloat16, device="cuda", bias=kind == "plain")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cuda_graph_replays_with_new_inputs():
+    gen = torch.Generator().manual_seed(7)
+    x, kw = case(gen, 16, 1536, 576, "glu", torch.bfloat16, device="cuda")
+    static_x, static_res = x.clone(), kw["residual"].clone()
+    kw["residual"] = static_res
+    skinny_linear(static_x, **kw)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, h = skinny_linear(static_x, **kw)
+    x2, kw2 = case(gen, 16, 1536, 576, "glu", torch.bfloat16, device="cuda")
+    static_x.copy_(x2)
+    static_res.copy_(kw2["residual"])
+    graph.replay()
+    want_y, want_h = skinny_linear(static_x.clone(), **{**kw, "residual": static_res.clone()})
+    assert torch.equal(y, want_y) and torch.equal(h, want_h)
+
+
+if __name__ == "__main__":  # python -m correctness.test_kernel_skinny_linear CHECK  (with TRITON_INTERPRET=1)
+    run_checks_main(CHECKS)
