@@ -148,6 +148,32 @@ def test_model_wired_through_the_kernel_equals_the_unfused_model(tiny_checkpoint
             block.skinny = block.self_attn.skinny = block.mlp.skinny = False
 
 
+@pytest.mark.cpu
+def test_prefill_length_calls_keep_cublas(tiny_checkpoints, monkeypatch):
+    """Past MAX_ROWS rows per sequence (a prompt's prefill) a skinny model's layers run unfused, as tree attention
+    runs its reference there; up to it, every projection goes through the kernel."""
+    import engine
+    import engine.model
+    from kernels.skinny_linear import MAX_ROWS
+
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    model = engine.load_target(str(path), "cpu", torch.float32).model
+    for block in model.layers:
+        block.skinny = block.self_attn.skinny = block.mlp.skinny = True
+    calls = []
+    real = engine.model.skinny_linear
+    def counting(x, *args, **kwargs):
+        calls.append(x.shape[-2])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "skinny_linear", counting)
+    for T, expected in ((MAX_ROWS, 4 * len(model.layers)), (MAX_ROWS + 1, 0)):
+        calls.clear()
+        tokens = torch.randint(3, 50, (1, T))
+        model(tokens, torch.arange(T)[None], model.new_cache(T + 8), torch.ones(T, T, dtype=torch.bool).tril())
+        assert len(calls) == expected, f"{T} rows: {len(calls)} skinny calls"
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 SMOLLM2 = [(960, 576, "norm_res"), (576, 576, "plain"), (1536, 576, "glu"), (576, 1536, "plain")]

@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels.fused import qk_norm_rope_store, rmsnorm, silu_mul
 from kernels.gated_delta import TreeSchedule, chain_schedule
-from kernels.skinny_linear import skinny_linear, skinny_linear_applies
+from kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS, skinny_linear, skinny_linear_applies
 from kernels.tree_attention import tree_attention, visible_rows
 
 from .cache import AttentionLayerCache, ModelCache
@@ -55,7 +55,14 @@ class RMSNorm(nn.Module):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: bool) -> torch.Tensor:
     """F.linear, or kernels.skinny_linear on the layers of a launch-bound model (Block.skinny)."""
-    return skinny_linear(x, weight, bias)[0] if skinny else F.linear(x, weight, bias)
+    return skinny_linear(x, weight, bias)[0] if skinny_rows(skinny, x) else F.linear(x, weight, bias)
+
+
+def skinny_rows(skinny: bool, x: torch.Tensor) -> bool:
+    """A skinny layer's call with few rows per sequence (x [..., T, width]): decode, verify, a draft block. Longer
+    calls (a prompt's prefill) use cuBLAS, whose large tiles read each weight once, as tree attention uses its
+    reference past the same row count."""
+    return skinny and x.shape[-2] <= SKINNY_MAX_ROWS
 
 
 class Rotary:
@@ -198,7 +205,7 @@ class MLP(nn.Module):
         self.gate_up_bias = _fused((self.gate_proj, self.up_proj), "bias")
 
     def forward(self, x):
-        if self.skinny:
+        if skinny_rows(self.skinny, x):
             return self.down(skinny_linear(x, self.gate_up_weight, self.gate_up_bias, glu=True)[0])
         return self.down(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
@@ -246,7 +253,7 @@ class Block(nn.Module):
         """The residual stream arrives as residual + pending, `pending` being the previous block's MLP output not
         yet added: the add is fused into this block's first norm. Returns (this block's MLP output, the residual
         stream before it) in the same form."""
-        if self.skinny:  # six kernels a layer: the norms run in the GEMMs' prologues, SiLU * up in an epilogue
+        if skinny_rows(self.skinny, pending):  # six kernels a layer: norms in GEMM prologues, SiLU * up in an epilogue
             attn, mlp = self.self_attn, self.mlp
             qkv, residual = self.input_layernorm.linear(pending, residual, attn.qkv_weight, attn.qkv_bias)
             act, residual = self.post_attention_layernorm.linear(attn(None, rows, layer_cache, qkv), residual,

@@ -51,6 +51,7 @@ __all__ = ["skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "
 
 BLOCK_M = 16  # rows per program: tl.dot's smallest tile
 _DTYPES = (torch.float16, torch.bfloat16)
+MAX_ROWS = 128  # rows per sequence the engine runs through it (more: a prefill, where cuBLAS reads each weight once)
 MAX_HIDDEN = 640  # models up to this width use the kernel (docs/performance.md: faster at 576, slower at 1024)
 
 
