@@ -175,13 +175,12 @@ class Attention(nn.Module):
         out = linear(o, self.o_proj.weight, self.o_proj.bias, self.skinny)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def forward(self, x, rows: Rows, layer_cache: AttentionLayerCache, qkv: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """x [B, T, hidden] -> the attention block's output; qkv: x's projection, already computed (Block)."""
-        if qkv is None:
-            q, gate = self.project(x, rows.cos, rows.sin, layer_cache, rows.slots)
-        else:
-            q, gate = self.heads(qkv, rows.cos, rows.sin, layer_cache, rows.slots)
+    def forward(self, x, rows: Rows, layer_cache: AttentionLayerCache) -> torch.Tensor:
+        return self.from_qkv(linear(x, self.qkv_weight, self.qkv_bias, self.skinny), rows, layer_cache)
+
+    def from_qkv(self, qkv: torch.Tensor, rows: Rows, layer_cache: AttentionLayerCache) -> torch.Tensor:
+        """`forward` after its GEMM (which Block may have fused with the norm before it)."""
+        q, gate = self.heads(qkv, rows.cos, rows.sin, layer_cache, rows.slots)
         if rows.node_mask is None:  # whole sequences from slot 0: causal over the rows just stored, no host read
             T = q.shape[2]
             o = F.scaled_dot_product_attention(q, layer_cache.k[:, :, :T], layer_cache.v[:, :, :T], is_causal=True,
@@ -256,7 +255,7 @@ class Block(nn.Module):
         if skinny_rows(self.skinny, pending):  # six kernels a layer: norms in GEMM prologues, SiLU * up in an epilogue
             attn, mlp = self.self_attn, self.mlp
             qkv, residual = self.input_layernorm.linear(pending, residual, attn.qkv_weight, attn.qkv_bias)
-            act, residual = self.post_attention_layernorm.linear(attn(None, rows, layer_cache, qkv), residual,
+            act, residual = self.post_attention_layernorm.linear(attn.from_qkv(qkv, rows, layer_cache), residual,
                                                                  mlp.gate_up_weight, mlp.gate_up_bias, glu=True)
             return mlp.down(act), residual
         h, residual = self.input_layernorm(pending, residual)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import next_pow2, tl, triton, triton_disabled
-from kernels.fused import _round, _soft_rne, rmsnorm_reference, silu_mul_reference
+from kernels.fused import _out_rows, _round, _soft_rne, rmsnorm_reference, silu_mul_reference
 
 __all__ = ["skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "skinny_config",
            "skinny_linear_applies"]
@@ -188,8 +188,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          out: torch.Tensor | None = None, h_out: torch.Tensor | None = None,
                          config: tuple[int, int, int, int] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The kernel (see the module docstring). `out` [..., N] and `h_out` (x's shape, with a residual only): contiguous
-    buffers that receive y and h. `config` overrides skinny_config(N, K) (tuning probes only: another config is
+    """The kernel (see the module docstring). `out` [..., N] and `h_out` (x's shape, with a residual only): buffers
+    that receive y and h (viewable as rows with a contiguous last dim). `config` overrides skinny_config(N, K) (tuning probes only: another config is
     another rounding order)."""
     if triton is None:
         raise RuntimeError("skinny_linear_triton needs triton")
@@ -206,11 +206,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     M = x2.shape[0]
     if residual is None and h_out is not None:
         raise ValueError("h_out needs a residual")
-    y_out = _buffer(out, (*x.shape[:-1], N), out_dtype or x.dtype, x.device, "out")
-    y, h = y_out.view(M, N), None
+    y_shape, y_dtype = (*x.shape[:-1], N), out_dtype or x.dtype
+    y_out = torch.empty(y_shape, dtype=y_dtype, device=x.device) if out is None else out
+    y, h = _out_rows(y_out, y_shape, y_dtype, x.device, "out"), None
     if residual is not None:
-        h_out = _buffer(h_out, x.shape, x.dtype, x.device, "h_out")
-        h = h_out.view(M, K)
+        h_out = torch.empty_like(x) if h_out is None else h_out
+        h = _out_rows(h_out, x.shape, x.dtype, x.device, "h_out")
         if h.data_ptr() in (x2.data_ptr(), residual.data_ptr()):  # other programs still read them
             raise ValueError("h_out must not be x or the residual: the kernel cannot update them in place")
     r2 = residual.reshape(-1, K).contiguous() if residual is not None else x2
@@ -224,15 +225,6 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=_soft_rne(x),
             SOFT_RNE_OUT=_soft_rne(y), num_warps=warps)
     return y_out, h_out
-
-
-def _buffer(t: torch.Tensor | None, shape, dtype, device, name: str) -> torch.Tensor:
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous {tuple(shape)} {dtype} tensor on {device}, got "
-                         f"{tuple(t.shape)} {t.dtype} on {t.device}")
-    return t
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
