@@ -112,9 +112,15 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.cpu
 def test_env_switch_is_checked(monkeypatch):
+    from engine.errors import EngineError
+    from engine.model import skinny_forced
+
+    for text, forced in (("", None), ("auto", None), ("0", False), (" 1 ", True)):
+        monkeypatch.setenv("ENGINE_SKINNY_LINEAR", text)
+        assert skinny_forced() is forced
     monkeypatch.setenv("ENGINE_SKINNY_LINEAR", "yes")
-    with pytest.raises(ValueError, match="ENGINE_SKINNY_LINEAR"):
-        skinny_linear_applies(torch.zeros(4, 4))
+    with pytest.raises(EngineError, match="ENGINE_SKINNY_LINEAR"):
+        skinny_forced()
 
 
 @pytest.mark.cpu

@@ -8,6 +8,7 @@ node_mask the tokens are whole sequences from an empty cache (draft training's f
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from kernels.tree_attention import tree_attention, visible_rows
 
 from .cache import AttentionLayerCache, ModelCache
 from .config import ModelConfig, rope_inv_freq
+from .errors import EngineError
 
 
 @functools.cache
@@ -265,13 +267,23 @@ class Block(nn.Module):
 
 def fuse_projections(blocks) -> None:
     """One GEMM for q, k, v and one for gate, up; kernels.skinny_linear where the model is launch-bound."""
+    forced = skinny_forced()
     for block in blocks:
         block.mixer.fuse()
         block.mlp.fuse()
         mixer = block.mixer
         skinny = (isinstance(mixer, Attention) and not mixer.output_gate
-                  and skinny_linear_applies(block.mlp.gate_up_weight))
+                  and skinny_linear_applies(block.mlp.gate_up_weight, forced))
         block.skinny = mixer.skinny = block.mlp.skinny = skinny
+
+
+def skinny_forced() -> bool | None:
+    """ENGINE_SKINNY_LINEAR=0 or 1 (read when a model's projections are fused) turns kernels.skinny_linear off or
+    on whatever the model's width, for A/B runs; unset or auto: by width."""
+    text = os.environ.get("ENGINE_SKINNY_LINEAR", "auto").strip().lower()
+    if text not in ("auto", "", "0", "1"):
+        raise EngineError(f"ENGINE_SKINNY_LINEAR must be 0, 1 or auto, got {text!r}")
+    return None if text in ("auto", "") else text == "1"
 
 
 class Transformer(nn.Module):

@@ -38,8 +38,6 @@ column block store it. Every program stores only its own rows and columns: no at
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -55,17 +53,12 @@ MAX_ROWS = 128  # rows per sequence the engine runs through it (more: a prefill,
 MAX_HIDDEN = 640  # models up to this width use the kernel (docs/performance.md: faster at 576, slower at 1024)
 
 
-def skinny_linear_applies(weight: torch.Tensor) -> bool:
+def skinny_linear_applies(weight: torch.Tensor, forced: bool | None = None) -> bool:
     """Whether a model whose MLP gate/up weight is `weight` [2 * intermediate, hidden] runs its layers with this
-    kernel: a CUDA float16/bfloat16 model at most MAX_HIDDEN wide. ENGINE_SKINNY_LINEAR=0 or 1 in the environment
-    (read when a model's projections are fused) forces the choice; ENGINE_DISABLE_TRITON=1 turns it off."""
-    forced = os.environ.get("ENGINE_SKINNY_LINEAR", "auto").strip().lower()
-    if forced not in ("auto", "", "0", "1"):
-        raise ValueError(f"ENGINE_SKINNY_LINEAR must be 0, 1 or auto, got {forced!r}")
+    kernel: a CUDA float16/bfloat16 model (ENGINE_DISABLE_TRITON=1 unset) at most MAX_HIDDEN wide; `forced`
+    True or False overrides the width rule."""
     usable = triton is not None and weight.is_cuda and weight.dtype in _DTYPES and not triton_disabled()
-    if not usable or forced == "0":
-        return False
-    return forced == "1" or weight.shape[1] <= MAX_HIDDEN
+    return usable and (weight.shape[1] <= MAX_HIDDEN if forced is None else forced)
 
 
 def skinny_config(N: int, K: int) -> tuple[int, int, int, int]:
@@ -189,8 +182,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          config: tuple[int, int, int, int] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The kernel (see the module docstring). `out` [..., N] and `h_out` (x's shape, with a residual only): buffers
-    that receive y and h (viewable as rows with a contiguous last dim). `config` overrides skinny_config(N, K) (tuning probes only: another config is
-    another rounding order)."""
+    that receive y and h (viewable as rows with a contiguous last dim). `config` overrides skinny_config(N, K)
+    (tuning probes only: another config is another rounding order)."""
     if triton is None:
         raise RuntimeError("skinny_linear_triton needs triton")
     _check(x, weight, bias, norm, residual, glu, out_dtype)
