@@ -57,8 +57,12 @@ def skinny_linear_applies(weight: torch.Tensor, forced: bool | None = None) -> b
     """Whether a model whose MLP gate/up weight is `weight` [2 * intermediate, hidden] runs its layers with this
     kernel: a CUDA float16/bfloat16 model (ENGINE_DISABLE_TRITON=1 unset) at most MAX_HIDDEN wide; `forced`
     True or False overrides the width rule."""
-    usable = triton is not None and weight.is_cuda and weight.dtype in _DTYPES and not triton_disabled()
-    return usable and (weight.shape[1] <= MAX_HIDDEN if forced is None else forced)
+    return _kernel_runs(weight) and (weight.shape[1] <= MAX_HIDDEN if forced is None else forced)
+
+
+def _kernel_runs(t: torch.Tensor) -> bool:
+    """The kernel takes CUDA tensors in 16-bit floats, unless ENGINE_DISABLE_TRITON=1."""
+    return triton is not None and t.is_cuda and t.dtype in _DTYPES and not triton_disabled()
 
 
 def skinny_config(N: int, K: int) -> tuple[int, int, int, int]:
@@ -116,6 +120,14 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _residual_sum(x_rows, r_rows, ks, mask, HAS_RES: tl.constexpr, dt: tl.constexpr, SOFT_RNE: tl.constexpr):
+        """h = x (+ residual, the sum rounded to dt) over the columns ks, in float32."""
+        h = tl.load(x_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h = _round(h + tl.load(r_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32), dt, SOFT_RNE)
+        return h
+
+    @triton.jit
     def _skinny_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K, eps,
                        s_xm, s_rm, s_wn, s_ym, s_hm,
                        NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -135,10 +147,7 @@ if triton is not None:
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
-                m2 = rmask[:, None] & (ks < K)[None, :]
-                h = tl.load(x_rows + ks[None, :], mask=m2, other=0.0).to(tl.float32)
-                if HAS_RES:
-                    h = _round(h + tl.load(r_rows + ks[None, :], mask=m2, other=0.0).to(tl.float32), dt, SOFT_RNE)
+                h = _residual_sum(x_rows, r_rows, ks, rmask[:, None] & (ks < K)[None, :], HAS_RES, dt, SOFT_RNE)
                 ss += tl.sum(h * h, axis=1)
             inv = tl.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -148,10 +157,9 @@ if triton is not None:
             kmask = ks < K
             m2 = rmask[:, None] & kmask[None, :]
             if NORM:
-                h = tl.load(x_rows + ks[None, :], mask=m2, other=0.0).to(tl.float32)
+                h = _residual_sum(x_rows, r_rows, ks, m2, HAS_RES, dt, SOFT_RNE)
                 if HAS_RES:
-                    h = _round(h + tl.load(r_rows + ks[None, :], mask=m2, other=0.0).to(tl.float32), dt, SOFT_RNE)
-                    if pid_n == 0:
+                    if pid_n == 0:  # the new residual stream, stored by one column block
                         tl.store(h_ptr + rows.to(tl.int64)[:, None] * s_hm + ks[None, :], h.to(dt), mask=m2)
                 nw = tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
                 a = _round(nw[None, :] * _round(h * inv[:, None], dt, SOFT_RNE), dt, SOFT_RNE)
@@ -225,7 +233,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   glu: bool = False, out_dtype: torch.dtype | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, h): the kernel for CUDA tensors in float16/bfloat16, else the reference."""
-    if (triton is not None and x.is_cuda and x.dtype in _DTYPES and weight.dtype == x.dtype
-            and not triton_disabled()):
+    if _kernel_runs(x) and weight.dtype == x.dtype:
         return skinny_linear_triton(x, weight, bias, norm, eps, residual, glu, out_dtype)
     return skinny_linear_reference(x, weight, bias, norm, eps, residual, glu, out_dtype)
