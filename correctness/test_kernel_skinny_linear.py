@@ -121,6 +121,24 @@ def test_env_switch_is_checked(monkeypatch):
     monkeypatch.setenv("ENGINE_SKINNY_LINEAR", "yes")
     with pytest.raises(EngineError, match="ENGINE_SKINNY_LINEAR"):
         skinny_forced()
+    monkeypatch.setenv("ENGINE_SKINNY_LINEAR", "auto")
+    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH"):  # read at each launch, checked at load time
+        monkeypatch.setenv(name, "on")
+        with pytest.raises(EngineError, match=name):
+            skinny_forced()
+        monkeypatch.setenv(name, "0")
+
+
+@pytest.mark.cpu
+def test_programmatic_dependent_launch_only_on_cuda(monkeypatch):
+    """PDL is a CUDA launch attribute: CPU tensors (the interpreter) never take it, and ENGINE_PDL=0 turns it off."""
+    from kernels import pdl_launch, pdl_options
+
+    monkeypatch.setenv("ENGINE_PDL", "1")
+    assert not pdl_launch(torch.zeros(1))
+    assert pdl_options(False) == {} and pdl_options(True) == {"launch_pdl": True}
+    monkeypatch.setenv("ENGINE_PDL", "0")
+    assert not pdl_launch(torch.zeros(1))
 
 
 @pytest.mark.cpu
@@ -211,6 +229,45 @@ def test_gpu_cuda_graph_replays_with_new_inputs():
     graph.replay()
     want_y, want_h = skinny_linear(static_x.clone(), **{**kw, "residual": static_res.clone()})
     assert torch.equal(y, want_y) and torch.equal(h, want_h)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_pdl_chain_matches_plain_launches(monkeypatch):
+    """With programmatic dependent launch a kernel starts before the one ahead of it ends and prefetches its weight
+    meanwhile. A chain that reuses two buffers (each call reads what the last one wrote and overwrites what the one
+    before it read), with norms between, replayed as a graph, must give the bits of plain launches."""
+    from kernels.fused import rmsnorm_triton
+
+    gen = torch.Generator().manual_seed(11)
+    weights = [(torch.randn(576, 576, generator=gen) * 0.04).to("cuda", torch.bfloat16) for _ in range(3)]
+    norm = (1 + 0.1 * torch.randn(576, generator=gen)).to("cuda", torch.bfloat16)
+    x = torch.randn(16, 576, generator=gen).to("cuda", torch.bfloat16)
+    bufs = [torch.empty_like(x) for _ in range(3)]
+
+    def chain():
+        a = x
+        for i in range(12):
+            out = bufs[i % 2]
+            if i % 3 == 2:
+                rmsnorm_triton(a, norm, 1e-6, out=out)
+            else:
+                skinny_linear_triton(a, weights[i % 3], norm=norm if i % 2 else None, out=out)
+            a = out
+        return a.clone()
+
+    monkeypatch.setenv("ENGINE_PDL", "0")
+    want = chain()
+    monkeypatch.setenv("ENGINE_PDL", "1")
+    chain()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain()
+    for _ in range(5):
+        bufs[0].fill_(float("nan"))
+        bufs[1].fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(got, want)
 
 
 if __name__ == "__main__":  # python -m correctness.test_kernel_skinny_linear CHECK  (with TRITON_INTERPRET=1)

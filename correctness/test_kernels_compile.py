@@ -36,20 +36,28 @@ SKINNY = dict(x_ptr=BF16, res_ptr=BF16, norm_ptr=BF16, w_ptr=BF16, b_ptr=BF16, y
 def skinny_constexprs(N: int, K: int) -> dict:
     block_n, block_k, _, stages = skinny_linear.skinny_config(N, K)
     return dict(BLOCK_M=skinny_linear.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=False,
-                SOFT_RNE_OUT=False)
+                SOFT_RNE_OUT=False, PDL=True, PREFETCH=True)
 
 
 # (name, kernel, pointer and float argument types (others: i32), constexprs, compile options)
 CASES = [
     ("tree attention, 27B shape, 65 rows, 2 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
      dict(G=6, G_P2=8, TOK=2, BLOCK_M=16, BLOCK_N=64, T_P2=128, SPLIT=512, D=256, D_P2=256, FP32_DOT=False,
-          ROUND_P=True, WRITE_OUT=True), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
+          ROUND_P=True, WRITE_OUT=True, PDL=True), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
     ("tree attention, 8B shape, decode, split keys", tree_attention._tree_attn_fwd, ATTENTION,
      dict(G=4, G_P2=4, TOK=1, BLOCK_M=16, BLOCK_N=64, T_P2=2, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
-          ROUND_P=True, WRITE_OUT=False), dict(num_warps=2, num_stages=3, enable_fp_fusion=False)),
+          ROUND_P=True, WRITE_OUT=False, PDL=True), dict(num_warps=2, num_stages=3, enable_fp_fusion=False)),
     ("tree attention, 8B shape, c8 verify, 4 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
      dict(G=4, G_P2=4, TOK=4, BLOCK_M=16, BLOCK_N=64, T_P2=16, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
-          ROUND_P=True, WRITE_OUT=True), dict(num_warps=2, num_stages=2, enable_fp_fusion=False)),
+          ROUND_P=True, WRITE_OUT=True, PDL=True), dict(num_warps=2, num_stages=2, enable_fp_fusion=False)),
+    ("tree attention's split merge", tree_attention._tree_attn_merge,
+     dict(pacc_ptr=F32, pm_ptr=F32, pl_ptr=F32, out_ptr=BF16), dict(D=128, D_P2=128, BLOCK_R=8, PDL=True),
+     dict(num_warps=2, enable_fp_fusion=False)),
+    ("rmsnorm with residual", fused._rmsnorm_kernel, dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, y_ptr=BF16,
+                                                          h_ptr=BF16, eps="fp32"),
+     dict(HAS_RES=True, BLOCK=4096, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
+    ("silu_mul", fused._silu_mul_kernel, dict(gu_ptr=BF16, out_ptr=BF16), dict(BLOCK=1024, SOFT_RNE=False, PDL=True),
+     dict(num_warps=4)),
     ("compact_kv", tree_ops._compact_kv_kernel, dict(k_ptr=BF16, v_ptr=BF16, start_ptr=I64, path_ptr=I64,
                                                      accepted_ptr=I64),
      dict(B=4, H=8, DH=128, P=16, BLOCK_D=128), dict(num_warps=1)),
@@ -62,7 +70,7 @@ CASES = [
     ("qk_norm_rope_store", fused._qk_norm_rope_store_kernel,
      dict(qkv_ptr=BF16, qn_ptr=BF16, kn_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, slots_ptr=I64, q_ptr=BF16,
           kc_ptr=BF16, vc_ptr=BF16, eps="fp32"),
-     dict(HAS_QN=True, HAS_KN=True, D=128, D_P2=128, R=128, SOFT_RNE=False), dict(num_warps=1,
+     dict(HAS_QN=True, HAS_KN=True, D=128, D_P2=128, R=128, SOFT_RNE=False, PDL=True), dict(num_warps=1,
                                                                                  enable_fp_fusion=False)),
     ("skinny linear, norm + residual prologue (SmolLM2 qkv)", skinny_linear._skinny_kernel, SKINNY,
      dict(NORM=True, HAS_RES=True, GLU=False, HAS_BIAS=False, **skinny_constexprs(960, 576)), dict(num_warps=4)),

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import env_switch
 from kernels.fused import qk_norm_rope_store, rmsnorm, silu_mul
 from kernels.gated_delta import TreeSchedule, chain_schedule
 from kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS, skinny_linear, skinny_linear_applies
@@ -279,11 +280,15 @@ def fuse_projections(blocks) -> None:
 
 def skinny_forced() -> bool | None:
     """ENGINE_SKINNY_LINEAR=0 or 1 (read when a model's projections are fused) turns kernels.skinny_linear off or
-    on whatever the model's width, for A/B runs; unset or auto: by width."""
-    text = os.environ.get("ENGINE_SKINNY_LINEAR", "auto").strip().lower()
-    if text not in ("auto", "", "0", "1"):
-        raise EngineError(f"ENGINE_SKINNY_LINEAR must be 0, 1 or auto, got {text!r}")
-    return None if text in ("auto", "") else text == "1"
+    on whatever the model's width, for A/B runs; unset or auto: by width. The kernels' other switches
+    (ENGINE_PDL, ENGINE_SKINNY_PREFETCH, read at each launch) are checked here too, so that a bad value is one
+    clear error at load time rather than a failure inside a decode step."""
+    try:
+        for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH"):
+            env_switch(name)
+        return env_switch("ENGINE_SKINNY_LINEAR")
+    except ValueError as e:
+        raise EngineError(str(e)) from None
 
 
 class Transformer(nn.Module):

@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import next_pow2, tl, triton, triton_disabled
+from kernels import next_pow2, pdl_launch, pdl_options, pdl_wait, tl, triton, triton_disabled
 
 __all__ = [
     "rmsnorm", "rmsnorm_reference", "rmsnorm_triton",
@@ -171,7 +171,8 @@ if triton is not None:
     @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, N, eps,
                         s_x, s_res, s_y, s_h,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr):
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
@@ -217,7 +218,9 @@ if triton is not None:
                                    s_qkv_b, s_qkv_t, s_cos_b, s_cos_t, s_sin_b, s_sin_t,
                                    s_q_b, s_q_h, s_q_t, s_kc_b, s_kc_h, s_kc_s, s_vc_b, s_vc_h, s_vc_s,
                                    HAS_QN: tl.constexpr, HAS_KN: tl.constexpr,
-                                   D: tl.constexpr, D_P2: tl.constexpr, R: tl.constexpr, SOFT_RNE: tl.constexpr):
+                                   D: tl.constexpr, D_P2: tl.constexpr, R: tl.constexpr, SOFT_RNE: tl.constexpr,
+                                   PDL: tl.constexpr):
+        pdl_wait(PDL)
         pid = tl.program_id(0)
         hd = tl.program_id(1)
         b = (pid // T).to(tl.int64)
@@ -240,7 +243,9 @@ if triton is not None:
             tl.store(vc_ptr + b * s_vc_b + (hd - H - KVH) * s_vc_h + slot * s_vc_s + offs, v, mask=dmask)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, I, s_gu, s_out, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, I, s_gu, s_out, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr,
+                         PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
@@ -308,9 +313,11 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
         return out, h
     block = next_pow2(N)
     num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    pdl = pdl_launch(x)
     _rmsnorm_kernel[(rows,)](x2, r2, weight, y2, h2, N, float(eps),
                              x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
-                             HAS_RES=residual is not None, BLOCK=block, SOFT_RNE=_soft_rne(x), num_warps=num_warps)
+                             HAS_RES=residual is not None, BLOCK=block, SOFT_RNE=_soft_rne(x), PDL=pdl,
+                             num_warps=num_warps, **pdl_options(pdl))
     return out, h
 
 
@@ -351,6 +358,7 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: i
         sin = sin.contiguous()
     d_p2 = next_pow2(D)
     slots = slots.contiguous()
+    pdl = pdl_launch(qkv)
     _qk_norm_rope_store_kernel[(B * T, H + 2 * KVH)](
         qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos, sin, slots, out,
         k_cache, v_cache, T, H, KVH, float(eps), slots.stride(0) if slots.dim() == 2 else 0,
@@ -359,8 +367,8 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: i
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, D=D, D_P2=d_p2, R=R, SOFT_RNE=_soft_rne(qkv),
-        num_warps=1 if d_p2 <= 128 else 2,
-        enable_fp_fusion=False)  # no FMA contraction: round each RoPE product like the reference does
+        PDL=pdl, num_warps=1 if d_p2 <= 128 else 2,
+        enable_fp_fusion=False, **pdl_options(pdl))  # no FMA contraction: round each RoPE product like the reference does
     return out
 
 
@@ -381,8 +389,10 @@ def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> t
     if g2.shape[0] == 0 or I == 0:
         return out
     block = min(SILU_BLOCK, next_pow2(I))
+    pdl = pdl_launch(gate_up)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, block))](g2, o2, I, g2.stride(0), o2.stride(0), BLOCK=block,
-                                                           SOFT_RNE=_soft_rne(gate_up), num_warps=4 if block >= 512 else 2)
+                                                           SOFT_RNE=_soft_rne(gate_up), PDL=pdl,
+                                                           num_warps=4 if block >= 512 else 2, **pdl_options(pdl))
     return out
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import next_pow2, tl, triton, triton_disabled
+from kernels import env_switch, next_pow2, pdl_launch, pdl_options, pdl_wait, tl, triton, triton_disabled
 from kernels.fused import _out_rows, _round, _soft_rne, rmsnorm_reference, silu_mul_reference
 
 __all__ = ["skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "skinny_config",
@@ -128,11 +128,18 @@ if triton is not None:
         return h
 
     @triton.jit
+    def _prefetch_l2(rows, nbytes):
+        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) at each 16-byte aligned address in `rows`."""
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [rows, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _skinny_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K, eps,
                        s_xm, s_rm, s_wn, s_ym, s_hm,
                        NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       NUM_STAGES: tl.constexpr, SOFT_RNE: tl.constexpr, SOFT_RNE_OUT: tl.constexpr):
+                       NUM_STAGES: tl.constexpr, SOFT_RNE: tl.constexpr, SOFT_RNE_OUT: tl.constexpr,
+                       PDL: tl.constexpr, PREFETCH: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         dt: tl.constexpr = x_ptr.dtype.element_ty
@@ -140,6 +147,13 @@ if triton is not None:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < M
         cmask = cols < N
+        if PREFETCH:  # the program's weight rows (read-only) into L2 while the kernel before it still runs
+            w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * s_wn
+            nbytes = tl.full([BLOCK_N], 0, tl.int32) + K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            _prefetch_l2(w_rows, nbytes)
+            if GLU:
+                _prefetch_l2(w_rows + N * s_wn, nbytes)
+        pdl_wait(PDL)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * s_xm
         r_rows = res_ptr + rows.to(tl.int64)[:, None] * s_rm
         w_cols = w_ptr + cols.to(tl.int64)[:, None] * s_wn
@@ -183,6 +197,16 @@ if triton is not None:
                  mask=rmask[:, None] & cmask[None, :])
 
 
+def _prefetch_rows(weight: torch.Tensor) -> bool:
+    """Whether the kernel prefetches its weight rows into L2 before waiting on the kernel before it (PDL):
+    rows that the bulk prefetch can take (16-byte aligned, a multiple of 16 bytes long). ENGINE_SKINNY_PREFETCH=0
+    turns it off (A/B runs)."""
+    row_bytes = weight.shape[1] * weight.element_size()
+    stride_bytes = weight.stride(0) * weight.element_size()
+    aligned = weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0 and stride_bytes % 16 == 0
+    return aligned and env_switch("ENGINE_SKINNY_PREFETCH") is not False
+
+
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                          glu: bool = False, out_dtype: torch.dtype | None = None,
@@ -218,13 +242,15 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     r2 = residual.reshape(-1, K).contiguous() if residual is not None else x2
     if M and N:
         block_n, block_k, warps, stages = config or skinny_config(N, K)
+        pdl = pdl_launch(x)
+        prefetch = pdl and _prefetch_rows(weight)
         _skinny_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, BLOCK_M))](
             x2, r2, x2 if norm is None else norm, weight, x2 if bias is None else bias, y, x2 if h is None else h,
             M, N, K, float(eps), x2.stride(0), r2.stride(0), weight.stride(0), y.stride(0),
             0 if h is None else h.stride(0),
             NORM=norm is not None, HAS_RES=residual is not None, GLU=glu, HAS_BIAS=bias is not None,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=_soft_rne(x),
-            SOFT_RNE_OUT=_soft_rne(y), num_warps=warps)
+            SOFT_RNE_OUT=_soft_rne(y), PDL=pdl, PREFETCH=prefetch, num_warps=warps, **pdl_options(pdl))
     return y_out, h_out
 
 

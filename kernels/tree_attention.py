@@ -60,7 +60,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import next_pow2, row_values, tl, triton, triton_disabled
+from kernels import next_pow2, pdl_launch, pdl_options, pdl_wait, row_values, tl, triton, triton_disabled
 
 BLOCK_N = 64        # keys per inner-loop block
 SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)
@@ -124,9 +124,11 @@ if triton is not None:
                        G: tl.constexpr, G_P2: tl.constexpr, TOK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, T_P2: tl.constexpr,
                        SPLIT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-                       FP32_DOT: tl.constexpr, ROUND_P: tl.constexpr, WRITE_OUT: tl.constexpr):
+                       FP32_DOT: tl.constexpr, ROUND_P: tl.constexpr, WRITE_OUT: tl.constexpr,
+                       PDL: tl.constexpr):
         """Program (b * KVH + kv head, TOK tokens, key split): online softmax over each token's keys in logical
         order; the committed prefix's blocks are shared by the program's tokens."""
+        pdl_wait(PDL)
         pid_bk = tl.program_id(0)
         t0 = tl.program_id(1) * TOK
         pid_s = tl.program_id(2)
@@ -249,12 +251,13 @@ if triton is not None:
     @triton.jit
     def _tree_attn_merge(pacc_ptr, pm_ptr, pl_ptr, out_ptr, NUM_SPLITS, ROWS, T, H,
                          stride_ob, stride_oh, stride_ot,
-                         D: tl.constexpr, D_P2: tl.constexpr, BLOCK_R: tl.constexpr):
+                         D: tl.constexpr, D_P2: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
         """BLOCK_R output rows (b, h, t): log-sum-exp merge of their NUM_SPLITS partials, split by split.
 
         A neutral partial (max -inf, sum 0, acc 0) weighs exp2(-inf) = 0; a row whose max is still -inf keeps
         a safe reference max of 0, so no -inf - -inf appears.
         """
+        pdl_wait(PDL)
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # = (b * H + h) * T + t
         r_ok = rows < ROWS
         offs_d = tl.arange(0, D_P2)
@@ -391,6 +394,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         pacc = torch.empty(num_splits, B, H, T, D, dtype=torch.float32, device=q.device)
         pm = torch.empty(num_splits, B, H, T, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
+    pdl = pdl_launch(q)
     _tree_attn_fwd[(B * KVH, triton.cdiv(T, tok), num_splits)](
         q, k_cache, v_cache, start_t, nm, rows, out, pacc, pm, pl,
         B, T, CAP, H, KVH, qk_scale,
@@ -402,15 +406,15 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out.stride(0), out.stride(1), out.stride(2),
         G=G, G_P2=g_p2, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split, D=D,
         D_P2=d_p2,
-        FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, num_warps=num_warps, num_stages=num_stages,
-        enable_fp_fusion=False)
+        FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, enable_fp_fusion=False, **pdl_options(pdl))
     if not write_out:
         rows = B * H * T
         block_r = 8
         _tree_attn_merge[(triton.cdiv(rows, block_r),)](
             pacc, pm, pl, out, num_splits, rows, T, H,
             out.stride(0), out.stride(1), out.stride(2),
-            D=D, D_P2=d_p2, BLOCK_R=block_r, num_warps=2, enable_fp_fusion=False)
+            D=D, D_P2=d_p2, BLOCK_R=block_r, PDL=pdl, num_warps=2, enable_fp_fusion=False, **pdl_options(pdl))
     return out
 
 
