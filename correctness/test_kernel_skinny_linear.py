@@ -142,6 +142,23 @@ def test_programmatic_dependent_launch_only_on_cuda(monkeypatch):
 
 
 @pytest.mark.cpu
+def test_programmatic_dependent_launch_device_rule(monkeypatch):
+    """Hopper and newer NVIDIA GPUs take PDL, Ampere and ROCm devices (torch's "cuda" too) launch plainly."""
+    import kernels
+
+    compiler = pytest.importorskip("triton.backends.nvidia.compiler")
+    can_launch = kernels.gdc_wait is not None and "launch_pdl" in compiler.CUDAOptions.__dataclass_fields__
+    rule = kernels._pdl_device.__wrapped__  # uncached
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    assert not rule(0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    assert rule(0) == can_launch  # True with this project's Triton (>= 3.3)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not rule(0)
+
+
+@pytest.mark.cpu
 def test_model_wired_through_the_kernel_equals_the_unfused_model(tiny_checkpoints):
     """A float32 model on the CPU with its layers switched to the skinny path (the reference does what the kernel
     does) gives the same logits, bit for bit, and the same decoding: the residual stream, the norms' fusion and the

@@ -51,12 +51,17 @@ def env_switch(name: str) -> bool | None:
 
 @functools.cache
 def _pdl_device(index: int) -> bool:
-    """A device whose launches take the programmatic-serialization attribute (compute capability >= 9.0), with a
-    Triton that can launch that way."""
+    """An NVIDIA device whose launches take the programmatic-serialization attribute (compute capability >= 9.0),
+    with a Triton that can launch that way. ROCm devices (also "cuda" to torch) and older Tritons launch plainly."""
     import torch
-    from triton.backends.nvidia.compiler import CUDAOptions
-    return (torch.cuda.get_device_capability(index)[0] >= 9 and gdc_wait is not None
-            and "launch_pdl" in CUDAOptions.__dataclass_fields__)
+    if torch.version.hip is not None or gdc_wait is None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return (torch.cuda.get_device_capability(index)[0] >= 9
+            and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
 
 
 def pdl_launch(t) -> bool:
