@@ -94,3 +94,22 @@ def test_a_draft_asked_for_fewer_positions_returns_those(tiny_checkpoints):
         seen += new
         assert full.shape[0] == 7 and part.shape[0] == 3
         torch.testing.assert_close(part, full[:3], rtol=1e-5, atol=1e-5)
+
+
+def test_default_target_layers_stay_inside_shallow_targets(tiny_checkpoints):
+    """A draft that names no target layers reads the public rule's layers (1 .. L - 3, evenly spaced); a target of
+    fewer than 5 layers gets them clamped into the model instead of layer -1, and a random 3-layer draft of a 2-layer
+    target decodes losslessly."""
+    from engine.draft import default_target_layer_ids
+
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33] and default_target_layer_ids(30, 1) == [15]
+    for layers in range(1, 7):
+        for draft_layers in range(1, 6):
+            ids = default_target_layer_ids(layers, draft_layers)
+            assert len(ids) == draft_layers and all(0 <= i < layers for i in ids), (layers, draft_layers, ids)
+    path, _ = tiny_checkpoints["qwen2-bias"]  # 2 layers
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    prompt = [5, 9, 2, 7]
+    ar = engine.Decoder(target.model).generate(prompt, 8).tokens
+    drafter = engine.load_drafter("random:3", target, 4)
+    assert engine.Decoder(target.model, drafter, engine.DecodeSettings("ddtree", 4)).generate(prompt, 8).tokens == ar

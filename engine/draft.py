@@ -87,10 +87,14 @@ class DraftConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The target layers whose outputs feed a draft that names none: the public DFlash rule (layer 1 to layer L - 3,
+    evenly spaced). Below 5 target layers that rule leaves the model (layer -1 at 2 layers): ids are clamped into
+    it there."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    ids = (round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+    return [min(max(i, 0), num_target_layers - 1) for i in ids]
 
 
 def draft_config(target_cfg: ModelConfig, layers: int, block_size: int, mask_token_id: int) -> DraftConfig:
