@@ -1,7 +1,8 @@
 """Tensor parallelism on CPUs with gloo (engine/parallel.py): sharded logits match width 1 within float32
 tolerance, sharded AR equals width-1 AR, and DFlash / DDTree at width 2 (and 4) equal AR at the same width, with
-random drafts and with the oracle drafter (multi-token acceptance, side branches). Each run is a fresh torchrun
-process group in a subprocess with a timeout (engine/launch.py)."""
+random drafts and with the oracle drafter (multi-token acceptance, side branches), and a draft sharded like the target
+(ENGINE_SHARD_DRAFT) gives the replicated draft's logits. Each run is a fresh torchrun process group in a subprocess
+with a timeout (engine/launch.py)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+import engine
 from engine.launch import ROOT, run_torchrun
 from engine.errors import EngineError
 from engine.parallel import _split, check_fits, head_ranges
@@ -38,6 +41,11 @@ def _check(results, names):
             assert m["ok"], f"{name} {method} at width {results['world']}: {m['verdict']}"
             if "oracle" in method:
                 assert m["tau"] > 1.5, f"{name} {method}: the oracle should be accepted several tokens a round"
+        # ENGINE_SHARD_DRAFT: a sharded draft computes the replicated draft's logits, its cache holds fewer KV heads
+        diff, scale = r["draft_logits_max_abs_diff"], r["draft_logits_scale"]
+        assert diff <= 1e-4 * max(1.0, scale), f"{name}: sharded draft logits differ by {diff} (scale {scale})"
+        full_heads, rank0_heads = r["draft_cache_kv_heads"]
+        assert rank0_heads < full_heads or full_heads < results["world"], (name, r["draft_cache_kv_heads"])
 
 
 @pytest.mark.slow
@@ -80,6 +88,23 @@ def test_widths_that_do_not_fit(heads, kv_heads, inter, world, message):
     cfg = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter)
     with pytest.raises(EngineError, match=message):
         check_fits(cfg, world)
+
+
+def test_shard_draft_switch_and_a_draft_that_does_not_fit(tiny_checkpoints, monkeypatch):
+    """ENGINE_SHARD_DRAFT is 0/1/auto (auto: replicate), anything else one error; a draft whose heads do not split
+    over the width is one error naming the draft, before any collective runs."""
+    from engine.loading import random_draft
+    from engine.parallel import TensorParallel, shard_draft, shard_draft_wanted
+
+    for text, want in (("", False), ("auto", False), ("0", False), ("1", True)):
+        monkeypatch.setenv("ENGINE_SHARD_DRAFT", text)
+        assert shard_draft_wanted() is want
+    monkeypatch.setenv("ENGINE_SHARD_DRAFT", "shard")
+    with pytest.raises(EngineError, match="ENGINE_SHARD_DRAFT"):
+        shard_draft_wanted()
+    target = engine.load_target(str(tiny_checkpoints["llama-tied-mha-rope3"][0]), "cpu", torch.float32)
+    with pytest.raises(EngineError, match="the draft cannot be sharded.*does not fit"):
+        shard_draft(random_draft(target, 1), TensorParallel(rank=0, world=4))  # 3 KV heads over 4 ranks
 
 
 def test_head_ranges_cover_every_head_once():

@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 import engine
+from engine.draft import DraftInput
 from engine.exactness import compare_tokens, tolerance_for
 from engine.parallel import exit_rank, init_tensor_parallel, shard_target
 from engine.results import write_json
 
 NEW_TOKENS = 40
 CASES = (("dflash", 0, "random:1"), ("dflash", 0, "oracle"), ("ddtree", 4, "random:1"), ("ddtree", 15, "oracle"),
-         ("ddtree", 6, "oracle"))
+         ("ddtree", 6, "oracle"), ("dflash", 0, "sharded random:2"), ("ddtree", 6, "sharded random:2"))
 
 
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
@@ -51,12 +52,35 @@ def check_target(spec: str, tp) -> dict:
         if draft == "oracle":
             drafter = engine.OracleDrafter(ids + ar.tokens, vocab, 8, miss_rate=0.3, seed=3)
         else:
-            drafter = engine.load_drafter(draft, target, block_size=8)
+            sharded, _, spec = draft.rpartition(" ")
+            drafter = engine.load_drafter(spec, target, block_size=8, shard=bool(sharded))
         result = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, budget)).generate(ids, NEW_TOKENS)
         verdict = compare_tokens(ar.tokens, ar.margins, result.tokens, tol)
         out["methods"][f"{method}-{budget}-{draft}"] = dict(ok=verdict.ok, verdict=verdict.describe(),
                                                               tau=result.tau)
+    out.update(sharded_draft_logits(target))
     return out
+
+
+def sharded_draft_logits(target) -> dict:
+    """A random draft's block logits replicated and sharded (engine.parallel.shard_draft), from the same weights and
+    inputs: the same function, summed in another order."""
+    drafters = [engine.load_drafter("random:2", target, block_size=8, seed=5, shard=s) for s in (False, True)]
+    gen = torch.Generator().manual_seed(4)
+    F = len(drafters[0].feature_layers) * target.model.cfg.hidden_size
+    features = torch.randn(1, 16, F, generator=gen)
+    tokens = torch.randint(0, target.model.cfg.vocab_size, (1, 17), generator=gen)
+    for d in drafters:
+        d.start(prompt_len=9, capacity=64)
+    diff = scale = 0.0
+    seen = 0
+    for new in (9, 3, 4):  # the prompt's features, then two rounds' accepted tokens
+        inp = DraftInput(tokens, torch.tensor(seen + new), features[:, seen:seen + new], torch.tensor(new))
+        full, part = (d.propose(inp) for d in drafters)
+        diff, scale = max(diff, (full - part).abs().max().item()), max(scale, full.abs().max().item())
+        seen += new
+    kv_heads = [d.cache.k.shape[2] for d in drafters]  # ModelCache.k: [layers, B, KV heads, capacity, D]
+    return dict(draft_logits_max_abs_diff=diff, draft_logits_scale=scale, draft_cache_kv_heads=kv_heads)
 
 
 def main() -> int:

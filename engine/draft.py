@@ -147,7 +147,9 @@ class DFlashDrafter(Drafter):
         c = self.cache
         if c is None or c.capacity < capacity or c.k.shape[1] != batch or (c.start.dim() == 1) != own:
             cfg = self.draft.dcfg.layers
-            self.cache = ModelCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.target.dtype,
+            layers = self.draft.layers  # the rank's KV heads, where engine.parallel sharded them
+            kv_heads = layers[0].self_attn.num_kv_heads if len(layers) else cfg.num_kv_heads
+            self.cache = ModelCache(cfg.num_layers, kv_heads, cfg.head_dim, capacity, self.target.dtype,
                                     self.target.device, batch, own_lengths=own)
         self.cache.reset()
 

@@ -18,6 +18,7 @@ from .config import HYBRID_MODEL_TYPES, LAYER_TYPES, SUPPORTED_MODEL_TYPES, Mode
 from .draft import DFlashDraftModel, DFlashDrafter, DraftConfig, Drafter, default_target_layer_ids, draft_config
 from .errors import EngineError
 from .model import Transformer
+from .parallel import shard_draft, shard_draft_wanted
 from .presets import SYNTHETIC_DRAFT_LAYERS, SYNTHETIC_PRESETS
 from .results import temporary_sibling
 
@@ -408,8 +409,10 @@ def _write_hf_dir(gguf: Path, dst: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- drafts
 
-def load_drafter(spec: str | None, target: Target, block_size: int | None = None, seed: int = 0) -> Drafter | None:
-    """spec: `default`, `random[:layers]`, a DFlash draft directory, or None/`none`."""
+def load_drafter(spec: str | None, target: Target, block_size: int | None = None, seed: int = 0,
+                 shard: bool | None = None) -> Drafter | None:
+    """spec: `default`, `random[:layers]`, a DFlash draft directory, or None/`none`. Under tensor parallelism the
+    draft is replicated, or sharded like the target where `shard` (None: ENGINE_SHARD_DRAFT) says so."""
     if spec in (None, "", "none"):
         return None
     if spec == "default":
@@ -429,6 +432,9 @@ def load_drafter(spec: str | None, target: Target, block_size: int | None = None
     block = draft.dcfg.block_size if block_size is None else block_size
     if block > target.model.cfg.max_position:  # checked before the drafter allocates its [block, block] mask
         raise EngineError(f"block size {block} exceeds the target's position limit of {target.model.cfg.max_position}")
+    tp = target.model.tp
+    if tp is not None and (shard_draft_wanted() if shard is None else shard):
+        shard_draft(draft, tp)
     return DFlashDrafter(draft, target.model, block_size)
 
 

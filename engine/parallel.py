@@ -7,7 +7,10 @@ Megatron-style sharding of a loaded target, in place (`shard_target`):
 - MLP: gate/up column-parallel (as evenly as the width allows), down row-parallel followed by an all-reduce;
 - embedding and LM head vocabulary-parallel (padded to a multiple of the width): an embedding row is looked up
   on the rank that holds it and all-reduced; each rank's logits slice is all-gathered, so every rank holds the
-  full logits and makes the same argmax, tree and acceptance decisions (the drafts are replicated).
+  full logits and makes the same argmax, tree and acceptance decisions.
+- a DFlash draft is replicated by default; with ENGINE_SHARD_DRAFT=1 its layers are sharded as the target's are
+  (`shard_draft`: attention and MLP, an all-reduce after each), its feature projection and norms stay replicated.
+  Every rank still gets the same draft logits: the all-reduce adds in a fixed order.
 - Gated DeltaNet (hybrid targets) by key heads, each with its value heads: in_proj_qkv and the depthwise conv by their
   q, k and v channels, in_proj_z/b/a, dt_bias and A_log by value heads; out_proj row-parallel followed by an
   all-reduce; the recurrent state and conv window hold the rank's heads and channels only. A gated attention's
@@ -234,6 +237,30 @@ def shard_gated_delta(m, tp: TensorParallel) -> None:
     m.key_heads, m.value_heads = K, V
     m.split = (K * dk, K * dk, V * dv)
     m.tp = tp
+
+
+def shard_draft(draft, tp: TensorParallel) -> None:
+    """Shard a DFlash draft's layers in place for rank tp.rank of tp.world, before the drafter fuses their
+    projections (engine.draft.DFlashDrafter): the draft's cache then holds the rank's KV heads."""
+    cfg = draft.dcfg.layers
+    try:
+        check_fits(cfg, tp.world)
+    except EngineError as e:
+        raise EngineError(f"the draft cannot be sharded: {e}; leave ENGINE_SHARD_DRAFT unset to replicate it") from None
+    for block in draft.layers:
+        shard_mlp(block.mlp, cfg, tp)
+        shard_attention(block.self_attn, cfg, tp)
+
+
+def shard_draft_wanted() -> bool:
+    """ENGINE_SHARD_DRAFT=1: shard DFlash drafts under tensor parallelism; 0, unset or auto: replicate them (the
+    measured default; sharding adds two collectives per draft layer, which a small draft may not repay)."""
+    from kernels import env_switch
+
+    try:
+        return env_switch("ENGINE_SHARD_DRAFT") is True
+    except ValueError as e:
+        raise EngineError(str(e)) from None
 
 
 def shard_target(model, tp: TensorParallel) -> None:
