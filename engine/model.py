@@ -8,7 +8,6 @@ node_mask the tokens are whole sequences from an empty cache (draft training's f
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch

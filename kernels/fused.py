@@ -368,7 +368,8 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: i
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, D=D, D_P2=d_p2, R=R, SOFT_RNE=_soft_rne(qkv),
         PDL=pdl, num_warps=1 if d_p2 <= 128 else 2,
-        enable_fp_fusion=False, **pdl_options(pdl))  # no FMA contraction: round each RoPE product like the reference does
+        enable_fp_fusion=False,  # no FMA contraction: round each RoPE product like the reference does
+        **pdl_options(pdl))
     return out
 
 
