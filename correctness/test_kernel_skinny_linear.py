@@ -113,7 +113,7 @@ def test_bad_arguments_are_refused():
 @pytest.mark.cpu
 def test_env_switch_is_checked(monkeypatch):
     from engine.errors import EngineError
-    from engine.model import skinny_forced
+    from engine.model import fuse_projections, skinny_forced
 
     for text, forced in (("", None), ("auto", None), ("0", False), (" 1 ", True)):
         monkeypatch.setenv("ENGINE_SKINNY_LINEAR", text)
@@ -125,7 +125,7 @@ def test_env_switch_is_checked(monkeypatch):
     for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH"):  # read at each launch, checked at load time
         monkeypatch.setenv(name, "on")
         with pytest.raises(EngineError, match=name):
-            skinny_forced()
+            fuse_projections([])
         monkeypatch.setenv(name, "0")
 
 

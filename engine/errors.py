@@ -3,3 +3,14 @@
 
 class EngineError(ValueError):
     """Bad input: a missing path, an unsupported checkpoint, a draft that does not fit, an invalid argument."""
+
+
+def env_switch(name: str) -> bool | None:
+    """kernels.env_switch (an A/B switch of the environment: 1, 0, or unset/auto -> None), with a bad value as an
+    EngineError."""
+    from kernels import env_switch as read
+
+    try:
+        return read(name)
+    except ValueError as e:
+        raise EngineError(str(e)) from None

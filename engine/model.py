@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import env_switch
 from kernels.fused import qk_norm_rope_store, rmsnorm, silu_mul
 from kernels.gated_delta import TreeSchedule, chain_schedule
 from kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS, skinny_linear, skinny_linear_applies
@@ -22,7 +21,7 @@ from kernels.tree_attention import tree_attention, visible_rows
 
 from .cache import AttentionLayerCache, ModelCache
 from .config import ModelConfig, rope_inv_freq
-from .errors import EngineError
+from .errors import env_switch
 
 
 @functools.cache
@@ -267,6 +266,8 @@ class Block(nn.Module):
 
 def fuse_projections(blocks) -> None:
     """One GEMM for q, k, v and one for gate, up; kernels.skinny_linear where the model is launch-bound."""
+    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH"):  # read at each kernel launch: a bad value fails here, once
+        env_switch(name)
     forced = skinny_forced()
     for block in blocks:
         block.mixer.fuse()
@@ -279,15 +280,8 @@ def fuse_projections(blocks) -> None:
 
 def skinny_forced() -> bool | None:
     """ENGINE_SKINNY_LINEAR=0 or 1 (read when a model's projections are fused) turns kernels.skinny_linear off or
-    on whatever the model's width, for A/B runs; unset or auto: by width. The kernels' other switches
-    (ENGINE_PDL, ENGINE_SKINNY_PREFETCH, read at each launch) are checked here too, so that a bad value is one
-    clear error at load time rather than a failure inside a decode step."""
-    try:
-        for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH"):
-            env_switch(name)
-        return env_switch("ENGINE_SKINNY_LINEAR")
-    except ValueError as e:
-        raise EngineError(str(e)) from None
+    on whatever the model's width, for A/B runs; unset or auto: by width."""
+    return env_switch("ENGINE_SKINNY_LINEAR")
 
 
 class Transformer(nn.Module):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import EngineError
+from .errors import EngineError, env_switch
 
 
 # Width 2 on GPUs: messages up to this many bytes go through a one-shot all-reduce over peer memory (PyTorch's
@@ -255,12 +255,7 @@ def shard_draft(draft, tp: TensorParallel) -> None:
 def shard_draft_wanted() -> bool:
     """ENGINE_SHARD_DRAFT=1: shard DFlash drafts under tensor parallelism; 0, unset or auto: replicate them (the
     measured default; sharding adds two collectives per draft layer, which a small draft may not repay)."""
-    from kernels import env_switch
-
-    try:
-        return env_switch("ENGINE_SHARD_DRAFT") is True
-    except ValueError as e:
-        raise EngineError(str(e)) from None
+    return env_switch("ENGINE_SHARD_DRAFT") is True
 
 
 def shard_target(model, tp: TensorParallel) -> None:
