@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backend = pytest.importorskip("triton.backends.compiler")
 
-from kernels import fused, gated_delta, skinny_linear, tree_attention, tree_ops  # noqa: E402
+from kernels import all_reduce, fused, gated_delta, skinny_linear, tree_attention, tree_ops  # noqa: E402
 
 H200 = backend.GPUTarget("cuda", 90, 32)
 
@@ -78,6 +78,12 @@ CASES = [
      dict(NORM=True, HAS_RES=True, GLU=True, HAS_BIAS=False, **skinny_constexprs(1536, 576)), dict(num_warps=4)),
     ("skinny linear, plain with bias (SmolLM2 down)", skinny_linear._skinny_kernel, SKINNY,
      dict(NORM=False, HAS_RES=False, GLU=False, HAS_BIAS=True, **skinny_constexprs(576, 1536)), dict(num_warps=2)),
+    ("fused all-reduce + RMSNorm, width 2, 8B hidden", all_reduce._all_reduce_rmsnorm_kernel,
+     dict(bufs_ptr=I64, pads_ptr=I64, offset="i64", res_ptr=BF16, w_ptr=BF16, y_ptr=BF16, h_ptr=BF16, eps="fp32"),
+     dict(WORLD=2, HAS_RES=True, BLOCK=4096, SOFT_RNE=False), dict(num_warps=8)),
+    ("fused all-reduce + RMSNorm, width 8, no residual", all_reduce._all_reduce_rmsnorm_kernel,
+     dict(bufs_ptr=I64, pads_ptr=I64, offset="i64", res_ptr=BF16, w_ptr=BF16, y_ptr=BF16, h_ptr=BF16, eps="fp32"),
+     dict(WORLD=8, HAS_RES=False, BLOCK=1024, SOFT_RNE=False), dict(num_warps=4)),
     ("gated delta recurrence, 27B shape", gated_delta._gated_delta_kernel,
      dict(mixed=BF16, a_ptr=BF16, b_ptr=BF16, A_log=F32, dt_bias=F32, state=F32, state_out=F32, out=BF16,
           paths=I32, lengths=I32, starts=I32, scale="fp32"),

@@ -22,6 +22,7 @@ from kernels.tree_attention import tree_attention, visible_rows
 from .cache import AttentionLayerCache, ModelCache
 from .config import ModelConfig, rope_inv_freq
 from .errors import env_switch
+from .parallel import ATTENTION_SLOT, MLP_SLOT, Partial
 
 
 @functools.cache
@@ -43,7 +44,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual): the residual add is fused into the norm's kernel."""
+        """Returns (norm(x + residual), x + residual): the residual add is fused into the norm's kernel, and under
+        tensor parallelism the all-reduce of a Partial x too (engine.parallel)."""
+        if isinstance(x, Partial):
+            return x.tp.all_reduce_rmsnorm(x, self.weight, self.eps, residual)
         return rmsnorm(x, self.weight, self.eps, residual)
 
     def linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -124,6 +128,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.eps = cfg.rms_norm_eps
         self.tp = None  # engine.parallel.TensorParallel once sharded: o_proj is row-parallel
+        self.defer_reduce = False  # once sharded: return a Partial, all-reduced by the next norm
         self.skinny = False  # set by fuse_projections: kernels.skinny_linear for the projections
 
     def fuse(self) -> None:
@@ -173,6 +178,8 @@ class Attention(nn.Module):
         o = o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
+        if self.defer_reduce:
+            return self.tp.row_parallel(o, self.o_proj.weight, self.o_proj.bias, ATTENTION_SLOT)
         out = linear(o, self.o_proj.weight, self.o_proj.bias, self.skinny)
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -197,6 +204,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.tp = None  # once sharded: down_proj is row-parallel
+        self.defer_reduce = False  # once sharded: return a Partial, all-reduced by the next norm
         self.skinny = False  # set by fuse_projections: kernels.skinny_linear for the projections
 
     def fuse(self) -> None:
@@ -211,6 +219,8 @@ class MLP(nn.Module):
 
     def down(self, act: torch.Tensor) -> torch.Tensor:
         """The down projection of act = silu(gate) * up [..., intermediate]."""
+        if self.defer_reduce:
+            return self.tp.row_parallel(act, self.down_proj.weight, self.down_proj.bias, MLP_SLOT)
         out = linear(act, self.down_proj.weight, self.down_proj.bias, self.skinny)
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -360,7 +370,8 @@ class Transformer(nn.Module):
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             pending, residual = layer(pending, residual, rows, layer_cache)
             if i in capture:
-                captured[i] = residual + pending   # the layer's output (HF hidden_states[i + 1])
+                full = pending.reduced() if isinstance(pending, Partial) else pending
+                captured[i] = residual + full   # the layer's output (HF hidden_states[i + 1])
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return self.norm(pending, residual)[0], features
 

@@ -17,6 +17,17 @@ Megatron-style sharding of a loaded target, in place (`shard_target`):
   q_proj keeps each head's query and gate rows together.
 Row-parallel biases stay on rank 0 only, so the all-reduce adds them once.
 
+With ENGINE_TP_FUSED_NORM=1, on GPUs (any width), the all-reduce after o_proj and down_proj is fused with the
+RMSNorm and residual add that follow it (kernels.all_reduce): the projection's GEMM writes this rank's part straight
+into a peer-readable buffer and returns a `Partial`, and the next norm reads every rank's part, adds them in rank order and normalises, in one
+kernel with one barrier. Two slots: attention outputs use slot 0 and MLP outputs slot 1, so consecutive fused
+all-reduces alternate (or, in a hybrid, a Gated DeltaNet layer's own all-reduce lies between two MLP outputs); a rank
+rewrites a slot only after its peers have signalled from the next call (or passed the all-reduce between), which
+they reach only once their read of this slot is done, so no barrier is needed after the read.
+Off by default until measured further: on two H200s it made the 8B's AR step 8-9% faster, and in the one A/B of the
+same machine DFlash and DDTree-15 (16-row verifies) 3-7% slower (docs/performance.md). Prefills longer than FUSED_ROWS
+rows take the plain path.
+
 The all-reduce at width 2 is one addition per element, the same whatever the message size or the path (a one-shot
 all-reduce over peer memory on GPUs, NCCL for long prefills and on CPUs gloo), so a verify pass still reproduces
 the one-token step bit for bit; wider groups gather the partial sums and add them in rank order in
@@ -30,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .errors import EngineError, env_switch
 
@@ -39,6 +51,35 @@ from .errors import EngineError, env_switch
 # inside a CUDA graph on two H200s against NCCL's 11-15 us. Decode, verify and draft rows are far below it; long
 # prefills go through NCCL, which gives the same single addition per element.
 ONE_SHOT_BYTES = 4 << 20
+FUSED_ROWS = 256  # rows (tokens) per call of the fused all-reduce + RMSNorm: decode, verify, draft blocks, batches
+ATTENTION_SLOT, MLP_SLOT = 0, 1  # slots of the fused all-reduce's buffer (module docstring, "Two slots")
+
+
+@dataclass
+class Partial:
+    """A row-parallel projection's output before its all-reduce: this rank's part, in `slot` of its peer-readable
+    buffer (TensorParallel.row_parallel). The RMSNorm after it finishes the all-reduce in its own kernel
+    (TensorParallel.all_reduce_rmsnorm); `reduced` is the plain all-reduce, for other readers."""
+    part: torch.Tensor
+    slot: int
+    tp: "TensorParallel"
+
+    def reduced(self) -> torch.Tensor:
+        return self.tp.all_reduce(self.part.clone())  # a copy: the peers read the slot itself
+
+
+@dataclass
+class FusedBuffer:
+    """The fused all-reduce + RMSNorm's peer-readable buffer: two slots of `rows` x hidden (kernels.all_reduce)."""
+    buffer: torch.Tensor        # this rank's, flat
+    buffer_ptrs: torch.Tensor   # int64 [world] on the device: every rank's buffer
+    signal_pads: torch.Tensor   # int64 [world] on the device: every rank's signal pad
+    rows: int                   # rows per slot
+
+    def slot(self, slot: int, rows: int, width: int) -> tuple[torch.Tensor, int]:
+        """[rows, width] at the start of `slot`, and its offset in elements (the same in every rank's buffer)."""
+        offset = slot * self.rows * width
+        return self.buffer[offset: offset + rows * width].view(rows, width), offset
 
 
 @dataclass
@@ -48,6 +89,7 @@ class TensorParallel:
     group: object = None  # the default process group
     one_shot: torch.Tensor | None = None  # flat symmetric-memory buffer (width 2 on GPUs), see enable_one_shot
     one_shot_group: str = ""  # the process group's name, as the symmetric-memory ops take it
+    fused: FusedBuffer | None = None  # the fused all-reduce + RMSNorm's buffer, see enable_fused_norm
 
     def enable_one_shot(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the peer-readable buffer (a collective call: every rank, same order). Skipped, with NCCL
@@ -66,6 +108,58 @@ class TensorParallel:
                       f"use NCCL", file=sys.stderr)
             return
         self.one_shot, self.one_shot_group = buf, name
+
+    def enable_fused_norm(self, device: torch.device, dtype: torch.dtype, hidden: int) -> None:
+        """Allocate the fused all-reduce's two-slot buffer (a collective call: every rank, same order) when
+        ENGINE_TP_FUSED_NORM=1. Skipped, with the plain all-reduce kept, off GPUs, without Triton, or where PyTorch's
+        symmetric memory is unavailable."""
+        from kernels import triton, triton_disabled
+
+        if (env_switch("ENGINE_TP_FUSED_NORM") is not True or device.type != "cuda" or triton is None
+                or triton_disabled() or self.fused is not None):
+            return
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            rows = min(FUSED_ROWS, symm_mem.get_signal_pad_size() // 4 // self.world)
+            buf = symm_mem.empty(2 * rows * hidden, dtype=dtype, device=device)
+            handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+            ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+            pads = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+        except (ImportError, RuntimeError, AttributeError) as e:
+            if self.rank == 0:
+                print(f"tensor parallelism: no fused all-reduce + norm ({type(e).__name__}: {e}); the plain "
+                      f"all-reduce is used", file=sys.stderr)
+            return
+        self.fused = FusedBuffer(buf, ptrs, pads, rows)
+
+    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     slot: int) -> "torch.Tensor | Partial":
+        """A row-parallel projection x @ weight^T (+ bias): its all-reduce left to the norm after it (a Partial in
+        `slot`) where the fused path takes it, else all-reduced here."""
+        N, K = weight.shape
+        rows = x.numel() // K
+        fused = self.fused
+        if (fused is None or rows > fused.rows or x.dtype != fused.buffer.dtype
+                or 2 * fused.rows * N > fused.buffer.numel()):
+            return self.all_reduce(F.linear(x, weight, bias))
+        part, _ = fused.slot(slot, rows, N)
+        x2 = x.reshape(rows, K)
+        if bias is None:
+            torch.mm(x2, weight.t(), out=part)
+        else:
+            torch.addmm(bias, x2, weight.t(), out=part)
+        return Partial(part.view(*x.shape[:-1], N), slot, self)
+
+    def all_reduce_rmsnorm(self, p: Partial, weight: torch.Tensor, eps: float,
+                           residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(sum of the parts + residual), sum of the parts + residual): kernels.all_reduce."""
+        from kernels.all_reduce import all_reduce_rmsnorm_triton
+
+        fused = self.fused
+        offset = p.slot * fused.rows * p.part.shape[-1]
+        return all_reduce_rmsnorm_triton(fused.buffer_ptrs, fused.signal_pads, self.rank, offset, p.part, weight, eps,
+                                         residual)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 2:
@@ -288,3 +382,9 @@ def shard_target(model, tp: TensorParallel) -> None:
     model.num_kv_heads = kv_hi - kv_lo
     model.tp = tp
     tp.enable_one_shot(model.embed_tokens.weight.device, model.embed_tokens.weight.dtype)
+    tp.enable_fused_norm(model.embed_tokens.weight.device, model.embed_tokens.weight.dtype, cfg.hidden_size)
+    for block in model.layers:  # the skinny path's norms run inside its GEMMs: those blocks all-reduce at once
+        if not block.skinny:
+            block.mlp.defer_reduce = True
+            if hasattr(block, "self_attn"):  # a Gated DeltaNet layer all-reduces its output itself
+                block.self_attn.defer_reduce = True

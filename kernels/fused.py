@@ -182,10 +182,17 @@ if triton is not None:
             r = tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0).to(tl.float32)
             h = _round(h + r, dt, SOFT_RNE)
             tl.store(h_ptr + row * s_h + offs, h.to(dt), mask=mask)
+        _normalize_store(h, w_ptr, y_ptr + row * s_y, offs, mask, N, eps, SOFT_RNE)
+
+    @triton.jit
+    def _normalize_store(h, w_ptr, y_row, offs, mask, N, eps, SOFT_RNE: tl.constexpr):
+        """y = w * (h * rsqrt(mean(h^2) + eps)), both products rounded, stored at y_row (h: a float32 row of
+        dtype values, zero past N). Shared by the kernels that end in an RMSNorm (kernels.all_reduce too)."""
+        dt: tl.constexpr = y_row.dtype.element_ty
         inv = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = _round(w * _round(h * inv, dt, SOFT_RNE), dt, SOFT_RNE)
-        tl.store(y_ptr + row * s_y + offs, y.to(dt), mask=mask)
+        tl.store(y_row + offs, y.to(dt), mask=mask)
 
     @triton.jit
     def _norm_rope_head(src, w_ptr, cos_row, sin_row, dst, eps, HAS_NORM: tl.constexpr, D: tl.constexpr,

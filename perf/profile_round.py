@@ -2,12 +2,16 @@
 
     python -m perf.profile_round --target synthetic:qwen3-8b --draft random:5 --method ddtree --budget 15
     python -m perf.profile_round --target synthetic:qwen3-8b --draft random:5 --method ddtree --by-stage --concurrency 8
+    torchrun --nproc_per_node=2 -m perf.profile_round --target synthetic:qwen3-8b --method ar --by-stage --tp 2
 
 Runs one generation to capture the CUDA graphs, then profiles a second one with torch.profiler and prints the
 kernels that take the most device time per round (graph replays show their kernels individually). --by-stage instead
 replays each captured stage's graph alone (draft, tree, verify, commit) and prints each stage's kernels in
 microseconds per replay; --concurrency C decodes C prompts at once (engine.batch.BatchDecoder) and profiles the
-graphs of the full batch.
+graphs of the full batch. --by-stage also prints each replay's wall time against the sum of its kernels (the gap is
+time the GPU waits: launch latency, dependencies, a peer in a collective) and the kernel time by kind. --tp N runs
+under torchrun, every rank alike (the collectives need them all), and rank 0 prints; --trace FILE writes rank 0's
+timeline of the stage replays for chrome://tracing or Perfetto.
 """
 from __future__ import annotations
 
@@ -19,19 +23,61 @@ import engine
 from engine.batch import BatchDecoder
 
 
-def stage_table(graphs: dict, replays: int, rows: int) -> None:
-    """Each stage's graph replayed alone `replays` times under the profiler: its kernels in us per replay."""
+# kernel names -> a kind, first match wins (the per-kind sums of --by-stage)
+KINDS = (("all-reduce", ("all_reduce", "allreduce", "nccl", "symm", "barrier")),
+         ("attention", ("attn", "flash", "sdpa", "fmha")),
+         ("GEMM", ("gemm", "gemv", "skinny", "cutlass", "sm90_xmma", "cublas", "splitk")),
+         ("norm", ("rmsnorm", "norm")),
+         ("copy", ("copy", "memcpy", "memset", "fill")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def wall_us(graph, replays: int) -> float:
+    """Median wall time of one replay, in microseconds (CUDA events around each)."""
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def stage_table(graphs: dict, replays: int, rows: int, show: bool = True, trace: str | None = None) -> None:
+    """Each stage's graph replayed alone `replays` times under the profiler: its kernels in us per replay, the
+    replay's wall time and the kernel time by kind. Under tensor parallelism every rank calls this (the graphs hold
+    collectives) and only the rank with `show` prints."""
     for name, graph in graphs.items():
         graph.replay()
         torch.cuda.synchronize()
+        wall = wall_us(graph, replays)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(replays):
                 graph.replay()
             torch.cuda.synchronize()
+        if trace and show:
+            prof.export_chrome_trace(f"{trace}.{name}.json")
+        if not show:
+            continue
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         events.sort(key=lambda e: e.device_time_total, reverse=True)
         total = sum(e.device_time_total for e in events) / replays
-        print(f"\n{name}: {total:.1f} us of kernels per replay")
+        launches = sum(e.count for e in events) // replays
+        print(f"\n{name}: {wall:.1f} us a replay (median wall), {total:.1f} us of kernels in {launches} launches, "
+              f"{wall - total:.1f} us without a kernel running")
+        by_kind: dict[str, list[float]] = {}
+        for e in events:
+            kind = by_kind.setdefault(kernel_kind(e.key), [0.0, 0])
+            kind[0] += e.device_time_total / replays
+            kind[1] += e.count // replays
+        print("  by kind: " + ", ".join(f"{k} {t:.1f} us ({n} x)" for k, (t, n) in
+                                        sorted(by_kind.items(), key=lambda kv: -kv[1][0])))
         for e in events[:rows]:
             print(f"  {e.device_time_total / replays:9.1f} us  {e.count // replays:4d} x  {e.key[:110]}")
 
@@ -47,12 +93,20 @@ def main() -> None:
     p.add_argument("--by-stage", action="store_true", help="replay each stage's graph alone, kernels per stage")
     p.add_argument("--concurrency", type=int, default=1, help="prompts decoded at once (BatchDecoder when > 1)")
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel width (under torchrun --nproc_per_node=N)")
+    p.add_argument("--trace", help="with --by-stage: write rank 0's timeline to TRACE.<stage>.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it profiles captured CUDA graphs)")
     if args.concurrency < 1 or args.replays < 1:
         p.error("--concurrency and --replays must be >= 1")
-    target = engine.load_target(args.target, "cuda", torch.bfloat16)
+    from engine.parallel import init_tensor_parallel, shard_target
+
+    tp, device = init_tensor_parallel(args.tp)
+    show = tp is None or tp.rank == 0
+    target = engine.load_target(args.target, device or "cuda", torch.bfloat16)
+    if tp is not None:
+        shard_target(target.model, tp)
     drafter = engine.load_drafter(args.draft, target) if args.method != "ar" else None
     settings = engine.DecodeSettings(args.method, args.budget)
     prompt = list(range(1000, 1128))
@@ -68,11 +122,13 @@ def main() -> None:
     if args.by_stage:
         if not graphs:
             raise SystemExit("no captured graphs to replay (a target whose rounds do not run as graphs)")
-        stage_table(graphs, args.replays, args.rows)
+        stage_table(graphs, args.replays, args.rows, show, args.trace)
         return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         results = (decoder.generate(prompts, args.new_tokens) if args.concurrency > 1
                    else [decoder.generate(prompt, args.new_tokens)])
+    if not show:
+        return
     r = results[0]
     print(f"{args.method}: {r.rounds} rounds, {r.tok_s:.1f} tok/s, ms/round {r.stage_ms}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
@@ -80,3 +136,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
