@@ -51,3 +51,35 @@ def test_fused_norm_switch_is_off_by_default_and_checked(monkeypatch):
     monkeypatch.setenv("ENGINE_TP_FUSED_NORM", "yes")
     with pytest.raises(EngineError, match="ENGINE_TP_FUSED_NORM"):
         tp.enable_fused_norm(torch.device("cpu"), torch.bfloat16, 64)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("aligned", [True, False])
+def test_peer_rows_are_read_16_bytes_at_a_time_when_aligned(aligned):
+    """The peers' rows come through pointers read from memory, whose alignment Triton cannot see: without the ALIGNED
+    hint every element was its own 2-byte NVLink load (the kernel as first measured). Compiled for the H200 with the
+    argument specialisation a launch at the 8B's width gets (16-divisible pointers, sizes and strides)."""
+    triton = pytest.importorskip("triton")
+    import inspect
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.all_reduce import _all_reduce_rmsnorm_kernel as kernel
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    constexprs = dict(WORLD=2, HAS_RES=True, BLOCK=4096, SOFT_RNE=False, ALIGNED=aligned)
+    types = dict(bufs_ptr="*i64", pads_ptr="*i64", offset="i64", res_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
+                 h_ptr="*bf16", eps="fp32")
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    divisible = ("bufs_ptr", "pads_ptr", "res_ptr", "w_ptr", "y_ptr", "h_ptr", "offset", "N", "s_res", "s_y", "s_h")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8)).asm["ptx"]
+    peer_loads = re.findall(r"ld\.volatile\.global\.(\S+)", ptx)
+    assert peer_loads, "no volatile loads of the peers' rows"
+    if aligned:
+        assert set(peer_loads) == {"v4.b32"}, peer_loads
+    else:
+        assert set(peer_loads) == {"b16"}, peer_loads  # the hint is what vectorizes them
