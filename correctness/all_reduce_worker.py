@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node=2 -m correctness.all_reduce_worker OUT.json
 
 Every rank draws its own part, the weight and residual are shared; each call's (y, h) must equal the reference on
-every rank's gathered parts (h bit for bit, y within bfloat16 rounding), and be the same bits on every rank. The calls
+every rank's gathered parts (h bit for bit, y within bfloat16 rounding), be the same bits on every rank, and the same
+bits as the plain path (the all-reduce, then kernels.fused's rmsnorm kernel). The calls
 alternate slots as the engine's do, with random row counts, queued without synchronisation, with a rank made late
 (a spin kernel) before some, and replayed from a CUDA graph. Rank 0 writes the findings to OUT.json."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from engine.parallel import MLP_SLOT, ATTENTION_SLOT, Partial, init_tensor_parallel
 from kernels.all_reduce import all_reduce_rmsnorm_reference
+from kernels.fused import rmsnorm
 
 EPS = 1e-6
 
@@ -53,11 +55,18 @@ def check(tp, x, w, res, y, h, failures, context):
     ys = gathered(tp, y)
     if not all(torch.equal(ys[0], ys[r]) for r in range(1, tp.world)):
         failures.append(f"{context}: the ranks' y differ")
+    # the plain path (all-reduce, then kernels.fused's rmsnorm), which calls past FUSED_ROWS rows take: the same
+    # bits, or a batch's long verify would not reproduce its requests' decode steps
+    plain_y, plain_h = rmsnorm(tp.all_reduce(x.clone()), w, EPS, res)
+    if not (torch.equal(y, plain_y) and torch.equal(h, plain_h)):
+        failures.append(f"{context}: the fused path's bits differ from the plain path's "
+                        f"(y in {(y != plain_y).sum().item()} elements, h in {(h != plain_h).sum().item()})")
 
 
 def main(out_path: str) -> int:
     os.environ["ENGINE_TP_FUSED_NORM"] = "1"  # the path under test (off by default)
     tp, device = init_tensor_parallel(int(os.environ["WORLD_SIZE"]))
+    tp.enable_one_shot(device, torch.bfloat16)  # the plain path compared against, as shard_target sets it up
     failures, calls = [], 0
     for N in (4096, 576, 1001):  # 1001: rows not 16-byte aligned, the scalar loads
         tp.fused = None
