@@ -1,6 +1,8 @@
 """kernels.all_reduce: the one-shot all-reduce fused with the residual add and RMSNorm (tensor parallelism on GPUs).
 
-CPU: the reference is the sum in rank order followed by kernels.fused's RMSNorm reference. GPU (two or more GPUs):
+CPU: the reference is the sum in rank order followed by kernels.fused's RMSNorm reference; the PTX reads aligned
+peer rows 16 bytes at a time; the engine's plumbing of the fused path runs at width 1 with the kernel emulated by the
+reference. GPU (two or more GPUs):
 correctness/all_reduce_worker.py under torchrun, whose calls alternate slots as the engine's do, with random row
 counts, queued without synchronisation, a late rank, and CUDA-graph replays: every result equals the reference on the
 gathered parts, the same bits on every rank. (The engine's lossless runs at width 2 use it in every layer.)"""
@@ -83,3 +85,61 @@ def test_peer_rows_are_read_16_bytes_at_a_time_when_aligned(aligned):
         assert set(peer_loads) == {"v4.b32"}, peer_loads
     else:
         assert set(peer_loads) == {"b16"}, peer_loads  # the hint is what vectorizes them
+
+
+def test_engine_fused_path_emulated_on_a_cpu(tiny_checkpoints, tmp_path, monkeypatch):
+    """The engine's plumbing of the fused path on a CPU at width 1, the kernel emulated by its reference reading the
+    slot it is given: o_proj and down_proj return Partials in alternating slots, the norms after them finish them, a
+    captured layer reduces a copy, calls past the slot's rows take the plain path. The logits, the captured features
+    and AR's tokens equal the unsharded model's."""
+    import torch.distributed as dist
+
+    import engine
+    import kernels.all_reduce as all_reduce_module
+    from engine.exactness import compare_tokens, tolerance_for
+    from engine.parallel import ATTENTION_SLOT, MLP_SLOT, FusedBuffer, TensorParallel, shard_target
+
+    spec = str(tiny_checkpoints["llama-gqa-untied"][0])
+    full = engine.load_target(spec, "cpu", torch.float32).model
+    ids = list(range(3, 16))  # 13 rows: more than the slot's 8, the plain path
+    short = ids[:6]  # 6 rows: the fused path
+
+    def features(model, tokens):
+        n = len(tokens)
+        cache = model.new_cache(64)
+        hidden, feats = model(torch.tensor([tokens]), torch.arange(n)[None], cache,
+                              torch.ones(n, n, dtype=torch.bool).tril(), capture=(0, 1))
+        return model.logits(hidden[0]), feats
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0, world_size=1)
+    try:
+        tp = TensorParallel(0, 1)
+        model = engine.load_target(spec, "cpu", torch.float32).model
+        shard_target(model, tp)
+        assert tp.fused is None  # a CPU: the plain path unless emulated
+        rows, hidden = 8, model.cfg.hidden_size
+        tp.fused = FusedBuffer(torch.full((2 * rows * hidden,), float("nan")), None, None, rows)
+        slots = []
+
+        def emulated(buffer_ptrs, signal_pads, rank, offset, part, weight, eps, residual=None):
+            assert tp.fused.buffer[offset:].data_ptr() == part.data_ptr(), "the part is not at its slot's offset"
+            slots.append(offset // (rows * hidden))
+            return all_reduce_rmsnorm_reference(part.unsqueeze(0), weight, eps, residual)
+
+        monkeypatch.setattr(all_reduce_module, "all_reduce_rmsnorm_triton", emulated)
+        for tokens, fused in ((short, True), (ids, False)):
+            slots.clear()
+            (got, got_feats), (want, want_feats) = features(model, tokens), features(full, tokens)
+            assert bool(slots) == fused, (len(tokens), slots)
+            assert slots == [ATTENTION_SLOT, MLP_SLOT] * (len(slots) // 2)
+            scale = max(1.0, want.abs().max().item())
+            assert (got - want).abs().max().item() <= 1e-4 * scale
+            assert (got_feats - want_feats).abs().max().item() <= 1e-4 * max(1.0, want_feats.abs().max().item())
+        want_ar = engine.Decoder(full).generate(ids, 12, record_margins=True)
+        slots.clear()
+        got_ar = engine.Decoder(model).generate(ids, 12)
+        assert slots, "AR's one-row steps should take the fused path"
+        verdict = compare_tokens(want_ar.tokens, want_ar.margins, got_ar.tokens, tolerance_for(torch.float32))
+        assert verdict.ok, verdict.describe()
+    finally:
+        dist.destroy_process_group()
