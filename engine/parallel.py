@@ -19,14 +19,15 @@ Row-parallel biases stay on rank 0 only, so the all-reduce adds them once.
 
 With ENGINE_TP_FUSED_NORM=1, on GPUs (any width), the all-reduce after o_proj and down_proj is fused with the
 RMSNorm and residual add that follow it (kernels.all_reduce): the projection's GEMM writes this rank's part straight
-into a peer-readable buffer and returns a `Partial`, and the next norm reads every rank's part, adds them in rank order and normalises, in one
-kernel with one barrier. Two slots: attention outputs use slot 0 and MLP outputs slot 1, so consecutive fused
-all-reduces alternate (or, in a hybrid, a Gated DeltaNet layer's own all-reduce lies between two MLP outputs); a rank
-rewrites a slot only after its peers have signalled from the next call (or passed the all-reduce between), which
-they reach only once their read of this slot is done, so no barrier is needed after the read.
-Off by default until measured further: on two H200s it made the 8B's AR step 8-9% faster, and in the one A/B of the
-same machine DFlash and DDTree-15 (16-row verifies) 3-7% slower (docs/performance.md). Prefills longer than FUSED_ROWS
-rows take the plain path.
+into a peer-readable buffer and returns a `Partial`, and the next norm reads every rank's part, adds them in rank
+order and normalises, in one kernel with one barrier. Two slots: attention outputs use slot 0 and MLP outputs slot
+1, so consecutive fused all-reduces alternate (or, in a hybrid, a Gated DeltaNet layer's own all-reduce lies between
+two MLP outputs); a rank rewrites a slot only after its peers have signalled from the next call (or passed the
+all-reduce between), which they reach only once their read of this slot is done, so no barrier is needed after the
+read. Off by default until measured further: on two H200s it made the 8B's AR step 8-11% faster, and in the one A/B
+on one machine DFlash and DDTree-15 (16-row verifies) 3-7% slower, with a kernel that still read the peers' rows 2
+bytes at a time (docs/performance.md). Prefills longer than FUSED_ROWS rows take the plain path, whose bits are the
+same (correctness/all_reduce_worker.py checks it on GPUs).
 
 The all-reduce at width 2 is one addition per element, the same whatever the message size or the path (a one-shot
 all-reduce over peer memory on GPUs, NCCL for long prefills and on CPUs gloo), so a verify pass still reproduces
