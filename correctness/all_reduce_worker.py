@@ -40,7 +40,7 @@ def draw(seed: int, rank: int, rows: int, N: int, device):
 
 def call(tp, slot, x, w, res):
     """Stage x in `slot` as a row-parallel GEMM would, then the fused all-reduce + norm."""
-    part, _ = tp.fused.slot(slot, *x.shape)
+    part = tp.fused.slot(slot, *x.shape)
     part.copy_(x)
     return tp.all_reduce_rmsnorm(Partial(part, slot, tp), w, EPS, res)
 

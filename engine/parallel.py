@@ -77,10 +77,14 @@ class FusedBuffer:
     signal_pads: torch.Tensor   # int64 [world] on the device: every rank's signal pad
     rows: int                   # rows per slot
 
-    def slot(self, slot: int, rows: int, width: int) -> tuple[torch.Tensor, int]:
-        """[rows, width] at the start of `slot`, and its offset in elements (the same in every rank's buffer)."""
-        offset = slot * self.rows * width
-        return self.buffer[offset: offset + rows * width].view(rows, width), offset
+    def offset(self, slot: int, width: int) -> int:
+        """Where `slot` starts, in elements: the same in every rank's buffer."""
+        return slot * self.rows * width
+
+    def slot(self, slot: int, rows: int, width: int) -> torch.Tensor:
+        """[rows, width] at the start of `slot`."""
+        start = self.offset(slot, width)
+        return self.buffer[start: start + rows * width].view(rows, width)
 
 
 @dataclass
@@ -144,7 +148,7 @@ class TensorParallel:
         if (fused is None or rows > fused.rows or x.dtype != fused.buffer.dtype
                 or 2 * fused.rows * N > fused.buffer.numel()):
             return self.all_reduce(F.linear(x, weight, bias))
-        part, _ = fused.slot(slot, rows, N)
+        part = fused.slot(slot, rows, N)
         x2 = x.reshape(rows, K)
         if bias is None:
             torch.mm(x2, weight.t(), out=part)
@@ -158,9 +162,8 @@ class TensorParallel:
         from kernels.all_reduce import all_reduce_rmsnorm_triton
 
         fused = self.fused
-        offset = p.slot * fused.rows * p.part.shape[-1]
-        return all_reduce_rmsnorm_triton(fused.buffer_ptrs, fused.signal_pads, self.rank, offset, p.part, weight, eps,
-                                         residual)
+        return all_reduce_rmsnorm_triton(fused.buffer_ptrs, fused.signal_pads, self.rank,
+                                         fused.offset(p.slot, p.part.shape[-1]), p.part, weight, eps, residual)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 2:
