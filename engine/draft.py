@@ -23,7 +23,7 @@ from kernels.tree_attention import visible_rows
 
 from .cache import ModelCache
 from .config import ModelConfig
-from .model import Block, RMSNorm, Rotary, Transformer, fuse_projections
+from .model import Block, RMSNorm, Rotary, Transformer, fuse_projections, linear
 
 
 @dataclass
@@ -181,8 +181,11 @@ class DFlashDrafter(Drafter):
         for layer, layer_cache, window in zip(self.draft.layers, cache.layers, self.windows):
             attn = layer.self_attn
             h, x = layer.input_layernorm(x, pending)
-            attn.project(ctx, cos_c, sin_c, layer_cache, ctx_pos)       # context keys and values
-            q, _ = attn.project(h, cos_b, sin_b, layer_cache, block_pos)  # the block's, and its queries
+            # One qkv GEMM over the context rows and the block: the weight is read once. The context's keys and
+            # values are stored first, then the block's, which overwrite the context's padding rows.
+            qkv = linear(torch.cat((ctx, h), dim=1), attn.qkv_weight, attn.qkv_bias, attn.skinny)
+            attn.heads(qkv[:, :n], cos_c, sin_c, layer_cache, ctx_pos)
+            q, _ = attn.heads(qkv[:, n:], cos_b, sin_b, layer_cache, block_pos)
             if window is None:
                 o = attn.attend(q, layer_cache, block_start, self.block_visible, self.block_visible_rows)
             else:
