@@ -9,9 +9,10 @@ kernels that take the most device time per round (graph replays show their kerne
 replays each captured stage's graph alone (draft, tree, verify, commit) and prints each stage's kernels in
 microseconds per replay; --concurrency C decodes C prompts at once (engine.batch.BatchDecoder) and profiles the
 graphs of the full batch. --by-stage also prints each replay's wall time against the sum of its kernels (the gap is
-time the GPU waits: launch latency, dependencies, a peer in a collective) and the kernel time by kind. --tp N runs
-under torchrun, every rank alike (the collectives need them all), and rank 0 prints; --trace FILE writes rank 0's
-timeline of the stage replays for chrome://tracing or Perfetto.
+time the GPU waits: launch latency, dependencies, a peer in a collective), the kernel time by kind, and for each
+kernel the idle time just before it (which launches the GPU waits for). --tp N runs under torchrun, every rank alike
+(the collectives need them all), and rank 0 prints; --trace FILE writes rank 0's timeline of the stage replays for
+chrome://tracing or Perfetto.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from engine.batch import BatchDecoder
 # kernel names -> a kind, first match wins (the per-kind sums of --by-stage)
 KINDS = (("all-reduce", ("all_reduce", "allreduce", "nccl", "symm", "barrier")),
          ("attention", ("attn", "flash", "sdpa", "fmha")),
-         ("GEMM", ("gemm", "gemv", "skinny", "cutlass", "sm90_xmma", "cublas", "splitk")),
+         ("GEMM", ("gemm", "gemv", "skinny", "cutlass", "sm90_xmma", "cublas", "splitk", "nvjet")),
          ("norm", ("rmsnorm", "norm")),
          ("copy", ("copy", "memcpy", "memset", "fill")))
 
@@ -34,6 +35,20 @@ KINDS = (("all-reduce", ("all_reduce", "allreduce", "nccl", "symm", "barrier")),
 def kernel_kind(name: str) -> str:
     low = name.lower()
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def idle_before(kernels, replays: int, longest: float = 1000.0) -> dict[str, float]:
+    """Per kernel name, the time the GPU ran no kernel just before it started, us per replay. `kernels`: (name,
+    start, end) in us, in any order. A gap counts only after the previous kernel has ended (a kernel launched early,
+    as programmatic dependent launch allows, overlaps and adds nothing); gaps over `longest` are the host between two
+    replays, not the graph."""
+    idle: dict[str, float] = {}
+    end = None
+    for name, start, stop in sorted(kernels, key=lambda k: k[1]):
+        if end is not None and 0 < start - end < longest:
+            idle[name] = idle.get(name, 0.0) + (start - end)
+        end = stop if end is None else max(end, stop)
+    return {name: t / replays for name, t in idle.items()}
 
 
 def wall_us(graph, replays: int) -> float:
@@ -65,7 +80,10 @@ def stage_table(graphs: dict, replays: int, rows: int, show: bool = True, trace:
             prof.export_chrome_trace(f"{trace}.{name}.json")
         if not show:
             continue
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        cuda = torch.autograd.DeviceType.CUDA
+        idle = idle_before([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                            if e.device_type == cuda], replays)
+        events = [e for e in prof.key_averages() if e.device_type == cuda]
         events.sort(key=lambda e: e.device_time_total, reverse=True)
         total = sum(e.device_time_total for e in events) / replays
         launches = sum(e.count for e in events) // replays
@@ -78,8 +96,10 @@ def stage_table(graphs: dict, replays: int, rows: int, show: bool = True, trace:
             kind[1] += e.count // replays
         print("  by kind: " + ", ".join(f"{k} {t:.1f} us ({n} x)" for k, (t, n) in
                                         sorted(by_kind.items(), key=lambda kv: -kv[1][0])))
+        print("     kernels  launches  idle before")
         for e in events[:rows]:
-            print(f"  {e.device_time_total / replays:9.1f} us  {e.count // replays:4d} x  {e.key[:110]}")
+            print(f"  {e.device_time_total / replays:9.1f} us  {e.count // replays:4d} x  {idle.get(e.key, 0.0):7.1f} us  "
+                  f"{e.key[:100]}")
 
 
 def main() -> None:

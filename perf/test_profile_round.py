@@ -1,0 +1,31 @@
+"""perf.profile_round's arithmetic on made-up kernel timelines (CPU): which launches the GPU waits for, and the
+kernel kinds of its per-stage sums."""
+import pytest
+
+from perf.profile_round import idle_before, kernel_kind
+
+pytestmark = pytest.mark.cpu
+
+
+def test_idle_before_counts_only_time_with_no_kernel_running():
+    kernels = [("gemm", 0.0, 10.0), ("norm", 10.8, 12.0),     # 0.8 us idle before the norm
+               ("attn", 11.5, 20.0),                          # launched early (PDL): overlaps, no idle
+               ("gemm", 20.0, 30.0), ("norm", 31.0, 32.0),    # 1.0 us idle
+               ("gemm", 5000.0, 5010.0)]                      # the host between two replays: not the graph's
+    idle = idle_before(list(reversed(kernels)), replays=2)    # any order
+    assert idle == pytest.approx({"norm": 0.9})
+
+
+def test_idle_before_measures_from_the_latest_end_of_overlapping_kernels():
+    # a short kernel that ends inside a long one does not open a gap
+    idle = idle_before([("long", 0.0, 100.0), ("short", 1.0, 2.0), ("next", 103.0, 110.0)], replays=1)
+    assert idle == pytest.approx({"next": 3.0})
+
+
+@pytest.mark.parametrize("name, kind", [("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "GEMM"),
+                                        ("sm90_xmma_gemm_bf16bf16_bf16f32", "GEMM"),
+                                        ("_tree_attn_fwd", "attention"), ("_rmsnorm_kernel", "norm"),
+                                        ("_all_reduce_rmsnorm_kernel", "all-reduce"), ("Memset (Unknown)", "copy"),
+                                        ("_silu_mul_kernel", "other")])
+def test_kernel_kind(name, kind):
+    assert kernel_kind(name) == kind
