@@ -37,15 +37,16 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def idle_before(kernels, replays: int, longest: float = 1000.0) -> dict[str, float]:
+def idle_before(kernels, replays: int) -> dict[str, float]:
     """Per kernel name, the time the GPU ran no kernel just before it started, us per replay. `kernels`: (name,
-    start, end) in us, in any order. A gap counts only after the previous kernel has ended (a kernel launched early,
-    as programmatic dependent launch allows, overlaps and adds nothing); gaps over `longest` are the host between two
-    replays, not the graph."""
+    start, end) in us of `replays` identical replays, in any order. A gap counts only after the previous kernel has
+    ended (a kernel launched early, as programmatic dependent launch allows, overlaps and adds nothing). The gap
+    before each replay's first kernel is the graph's launch, not the graph, and is left out."""
     idle: dict[str, float] = {}
+    per_replay = max(1, len(kernels) // replays)
     end = None
-    for name, start, stop in sorted(kernels, key=lambda k: k[1]):
-        if end is not None and 0 < start - end < longest:
+    for i, (name, start, stop) in enumerate(sorted(kernels, key=lambda k: k[1])):
+        if i % per_replay and start > end:
             idle[name] = idle.get(name, 0.0) + (start - end)
         end = stop if end is None else max(end, stop)
     return {name: t / replays for name, t in idle.items()}

@@ -8,12 +8,12 @@ pytestmark = pytest.mark.cpu
 
 
 def test_idle_before_counts_only_time_with_no_kernel_running():
-    kernels = [("gemm", 0.0, 10.0), ("norm", 10.8, 12.0),     # 0.8 us idle before the norm
-               ("attn", 11.5, 20.0),                          # launched early (PDL): overlaps, no idle
-               ("gemm", 20.0, 30.0), ("norm", 31.0, 32.0),    # 1.0 us idle
-               ("gemm", 5000.0, 5010.0)]                      # the host between two replays: not the graph's
-    idle = idle_before(list(reversed(kernels)), replays=2)    # any order
-    assert idle == pytest.approx({"norm": 0.9})
+    replay = [("gemm", 0.0, 10.0), ("norm", 10.8, 12.0),     # 0.8 us idle before the norm
+              ("attn", 11.5, 20.0),                          # launched early (PDL): overlaps, no idle
+              ("gemm", 20.0, 30.0), ("norm", 31.0, 32.0)]    # 1.0 us idle
+    second = [(name, start + 50.0, end + 50.0) for name, start, end in replay]  # 18 us of graph launch before it
+    idle = idle_before(list(reversed(replay + second)), replays=2)  # any order
+    assert idle == pytest.approx({"norm": 1.8})
 
 
 def test_idle_before_measures_from_the_latest_end_of_overlapping_kernels():
