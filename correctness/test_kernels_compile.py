@@ -35,8 +35,9 @@ SKINNY = dict(x_ptr=BF16, res_ptr=BF16, norm_ptr=BF16, w_ptr=BF16, b_ptr=BF16, y
 
 def skinny_constexprs(N: int, K: int) -> dict:
     block_n, block_k, _, stages = skinny_linear.skinny_config(N, K)
+    chunks = -(-K // block_k)
     return dict(BLOCK_M=skinny_linear.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=False,
-                SOFT_RNE_OUT=False, PDL=True, PREFETCH=True)
+                SOFT_RNE_OUT=False, K_CHUNKS=chunks, UNROLL=2 if chunks > 4 else 1, PDL=True, PREFETCH=True)
 
 
 # (name, kernel, pointer and float argument types (others: i32), constexprs, compile options)
