@@ -5,7 +5,9 @@
     torchrun --nproc_per_node=2 -m perf.profile_round --target synthetic:qwen3-8b --method ar --by-stage --tp 2
 
 Runs one generation to capture the CUDA graphs, then profiles a second one with torch.profiler and prints the
-kernels that take the most device time per round (graph replays show their kernels individually). --by-stage instead
+kernels that take the most device time per round (graph replays show their kernels individually), then how much of
+the generation's GPU timeline had a kernel running and where it idled (short gaps: launches and dependencies; long
+ones: the GPU waiting for the host). --by-stage instead
 replays each captured stage's graph alone (draft, tree, verify, commit) and prints each stage's kernels in
 microseconds per replay; --concurrency C decodes C prompts at once (engine.batch.BatchDecoder) and profiles the
 graphs of the full batch. --by-stage also prints each replay's wall time against the sum of its kernels (the gap is
@@ -50,6 +52,30 @@ def idle_before(kernels, replays: int) -> dict[str, float]:
             idle[name] = idle.get(name, 0.0) + (start - end)
         end = stop if end is None else max(end, stop)
     return {name: t / replays for name, t in idle.items()}
+
+
+def busy_and_gaps(kernels, long_gap_us: float = 20.0) -> tuple[float, float, float, float]:
+    """A whole timeline of kernels (name, start, end) in us, in any order -> (span, busy, idle in gaps shorter than
+    `long_gap_us`, idle in longer ones): busy is the union of the kernels' intervals, so overlapping kernels count
+    once. Short gaps are launch and dependency waits inside and between graphs; long ones are the GPU waiting for
+    the host (eager rounds, the prompt's prefill, a host read)."""
+    if not kernels:
+        return 0.0, 0.0, 0.0, 0.0
+    busy = short = long = 0.0
+    ordered = sorted(kernels, key=lambda k: k[1])
+    first, end = ordered[0][1], ordered[0][1]
+    for _, start, stop in ordered:
+        if start > end:
+            gap = start - end
+            if gap < long_gap_us:
+                short += gap
+            else:
+                long += gap
+            busy += stop - start
+        elif stop > end:
+            busy += stop - end
+        end = max(end, stop)
+    return end - first, busy, short, long
 
 
 def wall_us(graph, replays: int) -> float:
@@ -153,6 +179,13 @@ def main() -> None:
     r = results[0]
     print(f"{args.method}: {r.rounds} rounds, {r.tok_s:.1f} tok/s, ms/round {r.stage_ms}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
+    cuda = torch.autograd.DeviceType.CUDA
+    span, busy, short, long = busy_and_gaps([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                             if e.device_type == cuda])
+    rounds = sum(x.rounds for x in results)
+    print(f"GPU timeline of the generation (prefill included): {span / 1e3:.2f} ms, a kernel running for "
+          f"{busy / 1e3:.2f} ms ({busy / max(span, 1e-9):.0%}); idle {short / rounds:.1f} us a round in gaps under "
+          f"20 us and {long / 1e3:.2f} ms in longer ones ({rounds} rounds)")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 kernel kinds of its per-stage sums."""
 import pytest
 
-from perf.profile_round import idle_before, kernel_kind
+from perf.profile_round import busy_and_gaps, idle_before, kernel_kind
 
 pytestmark = pytest.mark.cpu
 
@@ -29,3 +29,13 @@ def test_idle_before_measures_from_the_latest_end_of_overlapping_kernels():
                                         ("_silu_mul_kernel", "other")])
 def test_kernel_kind(name, kind):
     assert kernel_kind(name) == kind
+
+
+def test_busy_and_gaps_counts_overlaps_once_and_splits_the_gaps():
+    timeline = [("a", 0.0, 10.0), ("b", 5.0, 12.0),      # overlapping (PDL): 12 us busy, not 17
+                ("c", 14.0, 20.0),                        # a 2 us gap
+                ("d", 100.0, 101.0),                      # an 80 us gap: the host
+                ("e", 100.5, 100.8)]                      # inside d
+    span, busy, short, long = busy_and_gaps(list(reversed(timeline)))
+    assert (span, busy, short, long) == pytest.approx((101.0, 19.0, 2.0, 80.0))
+    assert busy_and_gaps([]) == (0.0, 0.0, 0.0, 0.0)
