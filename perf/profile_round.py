@@ -182,7 +182,7 @@ def main() -> None:
     cuda = torch.autograd.DeviceType.CUDA
     span, busy, short, long = busy_and_gaps([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                                              if e.device_type == cuda])
-    rounds = sum(x.rounds for x in results)
+    rounds = max(1, sum(x.rounds for x in results))  # (a one-token generation has no round)
     print(f"GPU timeline of the generation (prefill included): {span / 1e3:.2f} ms, a kernel running for "
           f"{busy / 1e3:.2f} ms ({busy / max(span, 1e-9):.0%}); idle {short / rounds:.1f} us a round in gaps under "
           f"20 us and {long / 1e3:.2f} ms in longer ones ({rounds} rounds)")
