@@ -15,15 +15,25 @@ time the GPU waits: launch latency, dependencies, a peer in a collective), the k
 kernel the idle time just before it (which launches the GPU waits for). --tp N runs under torchrun, every rank alike
 (the collectives need them all), and rank 0 prints; --trace FILE writes rank 0's timeline of the stage replays for
 chrome://tracing or Perfetto.
+
+    python -m perf.profile_round --target synthetic:qwen3-8b --method ar --by-stage --solo-width 2
+
+--solo-width N profiles rank 0 of width N alone on one GPU (SoloShard): the model sharded as rank 0's would be, its
+collectives skipped, so the times are a rank's step without communication: its half-width GEMVs, attention over
+its heads, norms and launches. It counts the collectives a target forward skips and adds --collective-us for each,
+a model of what width N costs on top: the measured width-N step minus the solo one is what the collectives and
+the waits for the slower rank really cost. For timing only: the tokens are not the model's.
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 
 import engine
 from engine.batch import BatchDecoder
+from engine.parallel import TensorParallel
 
 
 # kernel names -> a kind, first match wins (the per-kind sums of --by-stage)
@@ -32,6 +42,29 @@ KINDS = (("all-reduce", ("all_reduce", "allreduce", "nccl", "symm", "barrier")),
          ("GEMM", ("gemm", "gemv", "skinny", "cutlass", "sm90_xmma", "cublas", "splitk", "nvjet")),
          ("norm", ("rmsnorm", "norm")),
          ("copy", ("copy", "memcpy", "memset", "fill")))
+
+
+@dataclass
+class SoloShard(TensorParallel):
+    """Rank `rank` of a width-`world` group alone on one device, with no process group: shard_target shards the model
+    as that rank's would be, and its collectives are skipped: an all-reduce returns this rank's part, a gather
+    repeats it `world` times (the shapes of the real result). Every kernel of a rank's step but the collectives, for
+    timing only: the tokens are not the model's. `calls` counts the collectives skipped."""
+    calls: int = 0
+
+    def enable_one_shot(self, device, dtype) -> None:
+        pass  # no peers: the plain path, whose collectives are skipped
+
+    def enable_fused_norm(self, device, dtype, hidden: int) -> None:
+        pass
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x.unsqueeze(0).expand(self.world, *x.shape)
 
 
 def kernel_kind(name: str) -> str:
@@ -129,6 +162,17 @@ def stage_table(graphs: dict, replays: int, rows: int, show: bool = True, trace:
                   f"{e.key[:100]}")
 
 
+def solo_model(solo: SoloShard, forward, collective_us: float) -> str:
+    """Count the collectives one target forward skips (`forward`: a prefill that yields one token) and model what
+    they add to a round of width solo.world."""
+    solo.calls = 0
+    forward()
+    n = solo.calls
+    return (f"rank 0 of width {solo.world} alone, collectives skipped: {n} in a target forward (AR's step, a verify; "
+            f"plus the draft's where ENGINE_SHARD_DRAFT shards it); at {collective_us:g} us each width {solo.world} "
+            f"adds about {n * collective_us / 1e3:.2f} ms a round to the times below")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="synthetic:qwen3-8b")
@@ -142,14 +186,23 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel width (under torchrun --nproc_per_node=N)")
     p.add_argument("--trace", help="with --by-stage: write rank 0's timeline to TRACE.<stage>.json")
+    p.add_argument("--solo-width", type=int, default=1,
+                   help="profile rank 0 of this width alone on one GPU, its collectives skipped (timing only)")
+    p.add_argument("--collective-us", type=float, default=6.4,
+                   help="with --solo-width: the modelled cost of one collective, us (two H200s' one-shot all-reduce "
+                        "inside a CUDA graph: 6.4)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it profiles captured CUDA graphs)")
     if args.concurrency < 1 or args.replays < 1:
         p.error("--concurrency and --replays must be >= 1")
+    if args.solo_width < 1 or (args.solo_width > 1 and args.tp > 1):
+        p.error("--solo-width must be >= 1, and runs one process (leave --tp at 1)")
     from engine.parallel import init_tensor_parallel, shard_target
 
     tp, device = init_tensor_parallel(args.tp)
+    if args.solo_width > 1:
+        tp = SoloShard(0, args.solo_width)
     show = tp is None or tp.rank == 0
     target = engine.load_target(args.target, device or "cuda", torch.bfloat16)
     if tp is not None:
@@ -157,6 +210,9 @@ def main() -> None:
     drafter = engine.load_drafter(args.draft, target) if args.method != "ar" else None
     settings = engine.DecodeSettings(args.method, args.budget)
     prompt = list(range(1000, 1128))
+    if isinstance(tp, SoloShard):
+        print(solo_model(tp, lambda: engine.Decoder(target.model, drafter, settings).generate(prompt, 1),
+                         args.collective_us))
     if args.concurrency > 1:
         decoder = BatchDecoder(target.model, drafter, settings, rows=args.concurrency)
         prompts = [prompt[: 128 - 8 * i] for i in range(args.concurrency)]  # lengths differ as in serving

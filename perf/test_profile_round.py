@@ -39,3 +39,35 @@ def test_busy_and_gaps_counts_overlaps_once_and_splits_the_gaps():
     span, busy, short, long = busy_and_gaps(list(reversed(timeline)))
     assert (span, busy, short, long) == pytest.approx((101.0, 19.0, 2.0, 80.0))
     assert busy_and_gaps([]) == (0.0, 0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "q35-tp"])
+def test_solo_shard_runs_rank0s_shapes_and_counts_the_collectives_it_skips(tmp_path, name):
+    """--solo-width: the model sharded as rank 0 of width 2 would be, decoding on one device with no process group;
+    a target forward skips an all-reduce after each layer's mixer and MLP, one after the embedding and the logits'
+    gather, and the model prices them at --collective-us each."""
+    import engine
+    from correctness.checkpoints import make_hybrid_checkpoint, make_tiny_checkpoint
+    from engine.parallel import head_ranges, shard_target
+    from perf.profile_round import SoloShard, solo_model
+
+    make = make_hybrid_checkpoint if name.startswith("q35") else make_tiny_checkpoint
+    path, _ = make(tmp_path, name)
+    full = engine.load_target(str(path)).model
+    target = engine.load_target(str(path))
+    solo = SoloShard(0, 2)
+    shard_target(target.model, solo)
+    cfg, model = full.cfg, target.model
+    assert model.embed_tokens.weight.shape[0] == -(-cfg.vocab_size // 2)
+    for layer, block in zip(full.layers, model.layers):
+        assert next(block.mlp.parameters()).numel() < next(layer.mlp.parameters()).numel()
+    q_lo, q_hi = head_ranges(cfg, 2, 0)[0]
+    if hasattr(model.layers[-1], "self_attn"):
+        assert model.layers[-1].self_attn.num_heads == q_hi - q_lo
+    decoder = engine.Decoder(model, None, engine.DecodeSettings("ar"))
+    report = solo_model(solo, lambda: decoder.generate([5, 7, 11], 1), collective_us=10.0)
+    n = 2 * cfg.num_layers + 2
+    assert solo.calls == n, (solo.calls, n)
+    assert f"{n} in a target forward" in report and f"{n * 10.0 / 1e3:.2f} ms" in report
+    out = decoder.generate([5, 7, 11], 6)
+    assert len(out.tokens) == 6 and all(0 <= t < cfg.vocab_size for t in out.tokens)
