@@ -1,5 +1,5 @@
 """Tensor parallelism on CPUs with gloo (engine/parallel.py): sharded logits match width 1 within float32
-tolerance, sharded AR equals width-1 AR, and DFlash / DDTree at width 2 (and 4) equal AR at the same width, with
+tolerance, sharded AR equals width-1 AR, and DFlash / DDTree at width 2 (and 4 and 8) equal AR at the same width, with
 random drafts and with the oracle drafter (multi-token acceptance, side branches), and a draft sharded like the target
 (ENGINE_SHARD_DRAFT) gives the replicated draft's logits. Each run is a fresh torchrun process group in a subprocess
 with a timeout (engine/launch.py)."""
@@ -23,6 +23,8 @@ from engine.parallel import _split, check_fits, head_ranges
 # (uneven) with tied embeddings and an odd vocabulary (padded vocabulary shards)
 WIDTH2 = ("llama-gqa-untied", "qwen3-mqa-tied", "qwen2-bias", "llama-tied-mha-rope3")
 WIDTH4 = ("qwen3-mqa-tied", "qwen2-bias", "qwen3-gqa-untied-sharded")
+# width 8: one query head a rank, each of the 2 KV heads replicated on 4 ranks, 15 MLP columns a rank
+WIDTH8 = ("qwen3-gqa-untied-sharded",)
 
 
 def _run_worker(tmp_path, checkpoints, names, nproc):
@@ -56,6 +58,12 @@ def test_width2_matches_width1_and_is_lossless(tiny_checkpoints, tmp_path):
 @pytest.mark.slow
 def test_width4_matches_width1_and_is_lossless(tiny_checkpoints, tmp_path):
     _check(_run_worker(tmp_path, tiny_checkpoints, WIDTH4, 4), WIDTH4)
+
+
+@pytest.mark.slow
+def test_width8_matches_width1_and_is_lossless(tiny_checkpoints, tmp_path):
+    """The widest group of the perf suite's markers (tp8), as eight gloo processes (about a minute on two cores)."""
+    _check(_run_worker(tmp_path, tiny_checkpoints, WIDTH8, 8), WIDTH8)
 
 
 @pytest.mark.slow
