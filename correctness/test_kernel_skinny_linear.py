@@ -2,8 +2,8 @@
 bit), and the model's layers wired through it.
 
 CPU: the reference directly; the kernel under the Triton interpreter in a subprocess (`python -m
-correctness.test_kernel_skinny_linear CHECK`), also with its programs in reverse order, in both layouts. GPU:
-SmolLM2-135M's shapes (16-row tiles) and Qwen3-8B's (the wide layout) at 1 to 129 rows, and a CUDA-graph replay. Outputs are NaN-poisoned first (out= and h_out= buffers), so an element the
+correctness.test_kernel_skinny_linear CHECK`), also with its programs in reverse order. GPU: SmolLM2-135M's shapes at
+1 to 128 rows, and a CUDA-graph replay. Outputs are NaN-poisoned first (out= and h_out= buffers), so an element the
 kernel fails to write shows.
 
 Tolerances: as kernels.fused's tests (bf16: a float32 sum in another order can flip one rounding; at most 1% of the
@@ -16,7 +16,7 @@ import torch
 
 from correctness.kernel_harness import (assert_close_ulps, assert_interpreted_ok, programs_in_reverse,
                                         run_checks_main)
-from kernels.skinny_linear import skinny_linear, skinny_linear_reference, skinny_linear_triton, skinny_mode
+from kernels.skinny_linear import skinny_linear, skinny_linear_applies, skinny_linear_reference, skinny_linear_triton
 
 EPS = 1e-5
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -38,21 +38,11 @@ def case(gen, M, N, K, kind, dtype, device="cpu", bias=False):
     return r(M, K, scale=2.0), kw
 
 
-def check(gen, M, N, K, kind, dtype, device="cpu", bias=False, reverse=False, config=None, out_dtype=None,
-          exact=False) -> None:
-    """`config`: skinny_config's tuple, forced (the wide layout at interpreter-sized shapes). `exact`: inputs on a
-    grid of 1/8 in [-1, 1], whose float32 sums are exact in any order: the interpreter's dot (numpy) sums a 16-row
-    and a 128-row tile in different orders, which a GPU's MMA does not (its tests use plain random inputs)."""
-    context = f"M={M} N={N} K={K} {kind} {dtype}{' bias' if bias else ''}{f' {config}' if config else ''}"
+def check(gen, M, N, K, kind, dtype, device="cpu", bias=False, reverse=False) -> None:
+    context = f"M={M} N={N} K={K} {kind} {dtype}{' bias' if bias else ''}"
     x, kw = case(gen, M, N, K, kind, dtype, device, bias)
-    if exact:
-        x, kw = _on_grid(x), {k: _on_grid(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    if config is not None:
-        kw["config"] = config
-    if out_dtype is not None:
-        kw["out_dtype"] = out_dtype
-    want_y, want_h = skinny_linear_reference(x, **{k: v for k, v in kw.items() if k != "config"})
-    out = torch.full((M, N), float("nan"), dtype=out_dtype or dtype, device=device)
+    want_y, want_h = skinny_linear_reference(x, **kw)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
     h_out = torch.full_like(x, float("nan")) if "residual" in kw else None
     y, h = skinny_linear_triton(x, **kw, out=out, h_out=h_out)
     assert y is out and h is h_out, f"{context}: outputs not written into out= / h_out="
@@ -65,10 +55,6 @@ def check(gen, M, N, K, kind, dtype, device="cpu", bias=False, reverse=False, co
     if reverse:
         with programs_in_reverse():
             assert torch.equal(skinny_linear_triton(x, **kw)[0], y), f"{context}: depends on the program order"
-
-
-def _on_grid(t: torch.Tensor) -> torch.Tensor:
-    return ((t.float() * 8).round().clamp(-8, 8) / 8).to(t.dtype)
 
 
 # ------------------------------------------------------------------------------------------ interpreter (CPU)
@@ -84,21 +70,7 @@ def _interp_shapes() -> str:
     return f"{n} cases"
 
 
-def _interp_wide() -> str:
-    """The wide layout (weight tiles as the MMA's rows, a call's rows in one program up to 128), forced onto small
-    shapes; rows beyond 128 take a second program."""
-    gen = torch.Generator().manual_seed(4)
-    n = 0
-    for M, N, K, kind, bias, out_dtype in ((1, 72, 80, "plain", True, None), (20, 40, 200, "glu", True, None),
-                                          (130, 64, 48, "plain", False, torch.float32), (7, 100, 36, "glu", False, None)):
-        for dtype in (torch.bfloat16, torch.float16):
-            check(gen, M, N, K, kind, dtype, bias=bias, reverse=M > 16, config=(True, 32, 32, 4, 2),
-                  out_dtype=out_dtype, exact=True)
-            n += 1
-    return f"{n} cases"
-
-
-CHECKS = {"shapes": _interp_shapes, "wide": _interp_wide}
+CHECKS = {"shapes": _interp_shapes}
 
 
 @pytest.mark.cpu
@@ -135,22 +107,7 @@ def test_bad_arguments_are_refused():
         skinny_linear_reference(x, kw["weight"], residual=kw["residual"])
     with pytest.raises(ValueError, match="16-bit"):
         skinny_linear_triton(x, **kw)  # float32
-    assert skinny_mode(kw["weight"]) is None and skinny_mode(kw["weight"], True) is None  # a CPU weight
-
-
-@pytest.mark.cpu
-def test_skinny_mode_by_width(monkeypatch):
-    """Narrow models fuse their norms into the kernel, wider ones run plain GEMMs in it; ENGINE_SKINNY_LINEAR's
-    1 fuses at any width and 0 keeps cuBLAS; a weight the kernel cannot take (CPU, float32) always keeps cuBLAS."""
-    import kernels.skinny_linear as sl
-
-    narrow, wide = torch.zeros(1536, sl.MAX_HIDDEN), torch.zeros(8, sl.MAX_HIDDEN + 1)
-    assert sl.skinny_mode(narrow) is None and sl.skinny_mode(wide, True) is None  # CPU weights
-    monkeypatch.setattr(sl, "_kernel_runs", lambda t: True)
-    assert [sl.skinny_mode(narrow, f) for f in (None, True, False)] == ["fused", "fused", None]
-    assert [sl.skinny_mode(wide, f) for f in (None, True, False)] == ["plain", "fused", None]
-    assert sl.skinny_config(4096, 4096)[0] and not sl.skinny_config(4096, 4096, norm=True)[0]
-    assert not sl.skinny_config(576, 1536)[0]  # SmolLM2's down_proj: 16-row tiles
+    assert not skinny_linear_applies(kw["weight"])  # a CPU weight
 
 
 @pytest.mark.cpu
@@ -270,25 +227,6 @@ def test_gpu_smollm2_shapes(N, K, kind):
     gen = torch.Generator().manual_seed(N + K)
     for M in (1, 16, 65, 128):
         check(gen, M, N, K, kind, torch.bfloat16, device="cuda", bias=kind == "plain")
-
-
-QWEN3_8B = [(6144, 4096, "plain", None), (4096, 4096, "plain", None), (12288, 4096, "glu", None),
-            (4096, 12288, "plain", None), (151936, 4096, "plain", torch.float32)]  # qkv, o, gate/up, down, LM head
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("N,K,kind,out_dtype", QWEN3_8B)
-def test_gpu_wide_qwen3_8b_shapes(N, K, kind, out_dtype):
-    """The wide layout (a call's rows in one program, the weight as the MMA's rows) at the 8B's shapes: 1 row
-    (decode) up to 129 (a second program), a row's bits the same at every count."""
-    from kernels.skinny_linear import skinny_config
-
-    assert skinny_config(N, K)[0], "the 8B's weights take the wide layout"
-    gen = torch.Generator().manual_seed(N + K)
-    for M in (1, 16, 17, 65, 128, 129):
-        check(gen, M, N, K, kind, torch.bfloat16, device="cuda", bias=kind == "plain" and N == 4096 and K == 4096,
-              out_dtype=out_dtype)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,6 @@ backend = pytest.importorskip("triton.backends.compiler")
 from kernels import all_reduce, fused, gated_delta, skinny_linear, tree_attention, tree_ops  # noqa: E402
 
 H200 = backend.GPUTarget("cuda", 90, 32)
-HOPPER_SHARED = 227 * 1024  # shared memory a block may take on an H100 or H200
 
 
 def ptr(dtype: str) -> str:
@@ -34,19 +33,11 @@ BUILD = dict(logp_ptr=F32, ids_ptr=I64, tokens_ptr=I64, parents_ptr=I64, depths_
 SKINNY = dict(x_ptr=BF16, res_ptr=BF16, norm_ptr=BF16, w_ptr=BF16, b_ptr=BF16, y_ptr=BF16, h_ptr=BF16, eps="fp32")
 
 
-def skinny_constexprs(N: int, K: int, rows: int = 1, glu: bool = False) -> dict:
-    """The constexprs skinny_linear_triton launches a call of `rows` rows with (no norm, bfloat16)."""
-    wide, block_m, block_n, block_k, _, stages = skinny_linear.launch_config(N, K, rows, False, glu, 2)
+def skinny_constexprs(N: int, K: int) -> dict:
+    block_n, block_k, _, stages = skinny_linear.skinny_config(N, K)
     chunks = -(-K // block_k)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=False,
-                SOFT_RNE_OUT=False, K_CHUNKS=chunks, UNROLL=2 if chunks > 4 and not wide else 1, PDL=True,
-                PREFETCH=not wide, WIDE=wide)
-
-
-WIDE_WARPS = skinny_linear.WIDE_CONFIG[2]
-# What Triton assumes at a launch with 16-byte aligned tensors and widths that are multiples of 16 (the 8B's): the
-# loads then pipeline through shared memory, whose size is what can fail to fit.
-ALIGNED_SKINNY = ("x_ptr", "w_ptr", "y_ptr", "N", "K", "s_xm", "s_wn", "s_ym")
+    return dict(BLOCK_M=skinny_linear.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=False,
+                SOFT_RNE_OUT=False, K_CHUNKS=chunks, UNROLL=2 if chunks > 4 else 1, PDL=True, PREFETCH=True)
 
 
 # (name, kernel, pointer and float argument types (others: i32), constexprs, compile options)
@@ -88,16 +79,6 @@ CASES = [
      dict(NORM=True, HAS_RES=True, GLU=True, HAS_BIAS=False, **skinny_constexprs(1536, 576)), dict(num_warps=4)),
     ("skinny linear, plain with bias (SmolLM2 down)", skinny_linear._skinny_kernel, SKINNY,
      dict(NORM=False, HAS_RES=False, GLU=False, HAS_BIAS=True, **skinny_constexprs(576, 1536)), dict(num_warps=2)),
-    ("skinny linear, wide weight, decode (8B qkv)", skinny_linear._skinny_kernel, SKINNY,
-     dict(NORM=False, HAS_RES=False, GLU=False, HAS_BIAS=False, **skinny_constexprs(6144, 4096)),
-     dict(num_warps=WIDE_WARPS, divisible=ALIGNED_SKINNY)),
-    ("skinny linear, wide weight, SiLU * up, 65 rows (8B gate/up)", skinny_linear._skinny_kernel, SKINNY,
-     dict(NORM=False, HAS_RES=False, GLU=True, HAS_BIAS=False, **skinny_constexprs(12288, 4096, 65, glu=True)),
-     dict(num_warps=WIDE_WARPS, divisible=ALIGNED_SKINNY)),
-    ("skinny linear, wide weight, float32 out, 16 rows (8B LM head)", skinny_linear._skinny_kernel,
-     {**SKINNY, "y_ptr": F32}, dict(NORM=False, HAS_RES=False, GLU=False, HAS_BIAS=False,
-                                    **skinny_constexprs(151936, 4096, 16)),
-     dict(num_warps=WIDE_WARPS, divisible=ALIGNED_SKINNY)),
     ("fused all-reduce + RMSNorm, width 2, 8B hidden", all_reduce._all_reduce_rmsnorm_kernel,
      dict(bufs_ptr=I64, pads_ptr=I64, offset="i64", res_ptr=BF16, w_ptr=BF16, y_ptr=BF16, h_ptr=BF16, eps="fp32"),
      dict(WORLD=2, HAS_RES=True, BLOCK=4096, SOFT_RNE=False, ALIGNED=True), dict(num_warps=8)),
@@ -118,9 +99,6 @@ def test_kernel_compiles_for_the_h200(name, kernel, types, constexprs, options):
     names = list(inspect.signature(kernel.fn).parameters)
     assert set(types) | set(constexprs) <= set(names), f"{name}: unknown arguments"
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    options = dict(options)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in options.pop("divisible", ())}
-    compiled = triton.compile(compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+    compiled = triton.compile(compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=H200, options=options)
     assert compiled.asm.get("cubin"), f"{name}: no cubin"
-    assert compiled.metadata.shared <= HOPPER_SHARED, f"{name}: {compiled.metadata.shared} bytes of shared memory"

@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels.fused import qk_norm_rope_store, rmsnorm, silu_mul
 from kernels.gated_delta import TreeSchedule, chain_schedule
-from kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS, skinny_linear, skinny_mode
+from kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS, skinny_linear, skinny_linear_applies
 from kernels.tree_attention import tree_attention, visible_rows
 
 from .cache import AttentionLayerCache, ModelCache
@@ -275,9 +275,7 @@ class Block(nn.Module):
 
 
 def fuse_projections(blocks) -> None:
-    """One GEMM for q, k, v and one for gate, up. Calls of few rows (decode, verify, a draft block) run them in
-    kernels.skinny_linear where it applies: plain GEMMs on wide models, with the norms in their prologues on narrow,
-    launch-bound ones (kernels.skinny_linear.skinny_mode)."""
+    """One GEMM for q, k, v and one for gate, up; kernels.skinny_linear where the model is launch-bound."""
     for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH"):  # read at each kernel launch: a bad value fails here, once
         env_switch(name)
     forced = skinny_forced()
@@ -285,14 +283,14 @@ def fuse_projections(blocks) -> None:
         block.mixer.fuse()
         block.mlp.fuse()
         mixer = block.mixer
-        mode = skinny_mode(block.mlp.gate_up_weight, forced)
-        block.skinny = mode == "fused" and isinstance(mixer, Attention) and not mixer.output_gate
-        mixer.skinny = block.mlp.skinny = mode is not None
+        skinny = (isinstance(mixer, Attention) and not mixer.output_gate
+                  and skinny_linear_applies(block.mlp.gate_up_weight, forced))
+        block.skinny = mixer.skinny = block.mlp.skinny = skinny
 
 
 def skinny_forced() -> bool | None:
-    """ENGINE_SKINNY_LINEAR=0 or 1 (read when a model's projections are fused) turns kernels.skinny_linear off, or
-    on with the norms fused whatever the model's width, for A/B runs; unset or auto: by width."""
+    """ENGINE_SKINNY_LINEAR=0 or 1 (read when a model's projections are fused) turns kernels.skinny_linear off or
+    on whatever the model's width, for A/B runs; unset or auto: by width."""
     return env_switch("ENGINE_SKINNY_LINEAR")
 
 
@@ -309,7 +307,6 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary: Rotary | None = None  # built by `ready`, once the model sits on its device
-        self.skinny_head = False  # set by `ready`: the LM head of few rows in kernels.skinny_linear (wide models)
         # tensor parallelism (engine.parallel.shard_target): this rank's vocabulary slice and KV heads
         self.tp = None
         self.vocab_start, self.vocab_per_rank, self.num_kv_heads = 0, cfg.vocab_size, cfg.num_kv_heads
@@ -318,7 +315,6 @@ class Transformer(nn.Module):
         """Called once the weights are in place: fuse projections, build the RoPE tables."""
         self.rotary = Rotary(self.cfg.hf, self.cfg.head_dim, self.embed_tokens.weight.device)
         fuse_projections(self.layers)
-        self.skinny_head = skinny_mode(self.lm_head.weight, skinny_forced()) == "plain"
         return self.eval().requires_grad_(False)
 
     @property
@@ -383,9 +379,7 @@ class Transformer(nn.Module):
         """LM-head logits in float32. From bf16 weights they are accumulated and kept in float32: rounding them
         to bf16 (an ulp of 0.06 to 0.125 at typical magnitudes) would turn real margins into ties."""
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if skinny_rows(self.skinny_head, hidden):
-            out = skinny_linear(flat, self.lm_head.weight, out_dtype=torch.float32)[0]
-        elif hidden.dtype == torch.float32:
+        if hidden.dtype == torch.float32:
             out = F.linear(flat, self.lm_head.weight)
         elif hidden.is_cuda and _has_mm_out_dtype():
             out = torch.mm(flat, self.lm_head.weight.t(), out_dtype=torch.float32)

@@ -29,7 +29,7 @@ workspace, engine/__init__.py) but cannot take a prologue.
 Three entry points, as in kernels.fused: `skinny_linear_reference` (plain PyTorch: kernels.fused's references and
 F.linear), `skinny_linear_triton` (the kernel; CPU tensors under TRITON_INTERPRET=1), `skinny_linear` (the kernel for
 CUDA tensors in float16/bfloat16, else the reference; ENGINE_DISABLE_TRITON=1 forces the reference).
-`skinny_mode` is the engine's rule for which models use it, and how (engine.model.fuse_projections).
+`skinny_linear_applies` is the engine's rule for which models use it (engine.model.fuse_projections).
 
 Kernel (`_skinny_kernel`): grid (cdiv(N, BLOCK_N), cdiv(M, 16)). With a norm, a first pass over the row tile's K
 sums the squares of h (float32, chunk by chunk in a fixed order); the main loop recomputes h chunk by chunk (a 16 x
@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from kernels import env_switch, next_pow2, pdl_launch, pdl_options, pdl_wait, tl, triton, triton_disabled
 from kernels.fused import _out_rows, _round, _soft_rne, rmsnorm_reference, silu_mul_reference
 
-__all__ = ["skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "skinny_config", "skinny_mode"]
+__all__ = ["skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "skinny_config",
+           "skinny_linear_applies"]
 
 BLOCK_M = 16  # rows per program: tl.dot's smallest tile
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -56,15 +57,11 @@ MAX_ROWS = 128  # rows per sequence the engine runs through it (more: a prefill,
 MAX_HIDDEN = 640  # models up to this width use the kernel (docs/performance.md: faster at 576, slower at 1024)
 
 
-def skinny_mode(weight: torch.Tensor, forced: bool | None = None) -> str | None:
-    """How a model whose layers take `weight`-like inputs (weight [*, hidden]: its gate/up or LM head) runs its
-    calls of few rows: "fused" with the norms in the kernel's prologue (launch-bound models at most MAX_HIDDEN wide,
-    or any width with `forced` True), "plain" GEMMs in the kernel (wider, bandwidth-bound models: batch-invariant
-    tiles that stream the weight faster than cuBLAS's), or None: cuBLAS (not a CUDA float16/bfloat16 weight,
-    ENGINE_DISABLE_TRITON=1, or `forced` False)."""
-    if not _kernel_runs(weight) or forced is False:
-        return None
-    return "fused" if forced or weight.shape[1] <= MAX_HIDDEN else "plain"
+def skinny_linear_applies(weight: torch.Tensor, forced: bool | None = None) -> bool:
+    """Whether a model whose MLP gate/up weight is `weight` [2 * intermediate, hidden] runs its layers with this
+    kernel: a CUDA float16/bfloat16 model (ENGINE_DISABLE_TRITON=1 unset) at most MAX_HIDDEN wide; `forced`
+    True or False overrides the width rule."""
+    return _kernel_runs(weight) and (weight.shape[1] <= MAX_HIDDEN if forced is None else forced)
 
 
 def _kernel_runs(t: torch.Tensor) -> bool:
@@ -72,36 +69,11 @@ def _kernel_runs(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda and t.dtype in _DTYPES and not triton_disabled()
 
 
-def skinny_config(N: int, K: int, norm: bool = False) -> tuple[bool, int, int, int, int]:
-    """(wide, BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight of N output columns (per half, with glu) and K
-    inputs, with or without a norm in the prologue: a function of the call's shape alone (batch invariance).
-
-    Narrow weights (SmolLM2-135M's, tuned on the H200): 16-row tiles; narrow column blocks keep every SM busy, long K
-    steps keep the chain of dependent loads short. Wide weights (both sides past MAX_HIDDEN: a bandwidth-bound
-    model's, 8 MB and more, streamed from DRAM): the weight is the MMA's 64-row side and all of a call's rows (up to
-    128) its other side, so each weight tile is read once whatever the row count (WIDE_CONFIG). A norm in the
-    prologue (a wide model forced onto the fused path, ENGINE_SKINNY_LINEAR=1) keeps the 16-row tiles."""
-    if min(N, K) > MAX_HIDDEN and not norm:
-        return (True, *WIDE_CONFIG)
-    return False, (16 if N <= 1024 else 32), min(256, max(16, next_pow2(K))), (2 if N <= 768 else 4), 3
-
-
-WIDE_CONFIG = (64, 128, 4, 4)  # BLOCK_N, BLOCK_K, num_warps, num_stages (at most) for wide weights
-WIDE_STAGE_BYTES = 200 * 1024  # shared memory for the staged tiles of a wide weight's program (Hopper: 227 KB)
-
-
-def launch_config(N: int, K: int, M: int, norm: bool, glu: bool, itemsize: int,
-                  config: tuple[bool, int, int, int, int] | None = None) -> tuple[bool, int, int, int, int, int]:
-    """(wide, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of a call of M rows: skinny_config (or `config`),
-    with the rows per program. Those are 16 (tl.dot's smallest tile); a wide weight's program takes all of a call's
-    rows up to MAX_ROWS, so that it reads its weight tile once, with fewer stages for more rows to stay within shared
-    memory (neither changes a row's arithmetic)."""
-    wide, block_n, block_k, warps, stages = config or skinny_config(N, K, norm)
-    if not wide:
-        return wide, BLOCK_M, block_n, block_k, warps, stages
-    block_m = min(MAX_ROWS, max(BLOCK_M, next_pow2(M)))
-    stage_bytes = ((2 if glu else 1) * block_n + block_m) * block_k * itemsize
-    return wide, block_m, block_n, block_k, warps, max(1, min(stages, WIDE_STAGE_BYTES // stage_bytes))
+def skinny_config(N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight of N output columns (per half, with glu) and K
+    inputs: a function of the shape alone (batch invariance). Narrow column blocks keep every SM busy on small
+    weights; long K steps keep the chain of dependent loads short. Tuned on the H200 at SmolLM2-135M's shapes."""
+    return (16 if N <= 1024 else 32), min(256, max(16, next_pow2(K))), (2 if N <= 768 else 4), 3
 
 
 # ------------------------------------------------------------------------------------------------ reference
@@ -143,16 +115,10 @@ def _check(x, weight, bias, norm, residual, glu, out_dtype) -> None:
 if triton is not None:
 
     @triton.jit
-    def _dot_step(acc, a, w, dt: tl.constexpr, SOFT_RNE: tl.constexpr, WIDE: tl.constexpr):
-        """acc + a @ w^T ([BLOCK_M, BLOCK_N]), or with WIDE acc + w @ a^T ([BLOCK_N, BLOCK_M]: the weight as the
-        MMA's row side): a [BLOCK_M, BLOCK_K] holding dt values (in dt or float32), w [BLOCK_N, BLOCK_K] in dt."""
+    def _dot_step(acc, a, w, dt: tl.constexpr, SOFT_RNE: tl.constexpr):
+        """acc + a @ w^T: a [BLOCK_M, BLOCK_K] float32 holding dt values, w [BLOCK_N, BLOCK_K] in dt."""
         if SOFT_RNE:  # the interpreter's bfloat16 dot is wrong; float32 products of bf16 values are exact
-            if WIDE:
-                acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        elif WIDE:
-            acc += tl.dot(w, tl.trans(a.to(dt)))
+            acc += tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(a.to(dt), tl.trans(w))
         return acc
@@ -177,8 +143,7 @@ if triton is not None:
                        NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        NUM_STAGES: tl.constexpr, SOFT_RNE: tl.constexpr, SOFT_RNE_OUT: tl.constexpr,
-                       K_CHUNKS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                       WIDE: tl.constexpr):
+                       K_CHUNKS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         dt: tl.constexpr = x_ptr.dtype.element_ty
@@ -203,12 +168,8 @@ if triton is not None:
                 h = _residual_sum(x_rows, r_rows, ks, rmask[:, None] & (ks < K)[None, :], HAS_RES, dt, SOFT_RNE)
                 ss += tl.sum(h * h, axis=1)
             inv = tl.rsqrt(ss / K + eps)
-        if WIDE:  # transposed: [columns, rows]
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for i in tl.range(0, K_CHUNKS, num_stages=NUM_STAGES, loop_unroll_factor=UNROLL):
             ks = i * BLOCK_K + tl.arange(0, BLOCK_K)
             kmask = ks < K
@@ -220,30 +181,24 @@ if triton is not None:
                         tl.store(h_ptr + rows.to(tl.int64)[:, None] * s_hm + ks[None, :], h.to(dt), mask=m2)
                 nw = tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
                 a = _round(nw[None, :] * _round(h * inv[:, None], dt, SOFT_RNE), dt, SOFT_RNE)
-            else:  # in dt: the load feeds the MMA directly (and the pipeliner can stage it in shared memory)
-                a = tl.load(x_rows + ks[None, :], mask=m2, other=0.0)
+            else:
+                a = tl.load(x_rows + ks[None, :], mask=m2, other=0.0).to(tl.float32)
             wmask = cmask[:, None] & kmask[None, :]
-            acc = _dot_step(acc, a, tl.load(w_cols + ks[None, :], mask=wmask, other=0.0), dt, SOFT_RNE, WIDE)
+            acc = _dot_step(acc, a, tl.load(w_cols + ks[None, :], mask=wmask, other=0.0), dt, SOFT_RNE)
             if GLU:  # the up rows, N rows below the gate rows
                 acc_up = _dot_step(acc_up, a, tl.load(w_cols + N * s_wn + ks[None, :], mask=wmask, other=0.0), dt,
-                                   SOFT_RNE, WIDE)
+                                   SOFT_RNE)
         if HAS_BIAS:
-            bias = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-            acc += bias[:, None] if WIDE else bias[None, :]
+            acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             if GLU:
-                bias_up = tl.load(b_ptr + N + cols, mask=cmask, other=0.0).to(tl.float32)
-                acc_up += bias_up[:, None] if WIDE else bias_up[None, :]
+                acc_up += tl.load(b_ptr + N + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if GLU:  # gate and up rounded to dt as the GEMM's output would be, then silu_mul's arithmetic
             g = _round(acc, dt, SOFT_RNE)
             acc = _round(g / (1.0 + tl.exp(-g)), dt, SOFT_RNE) * _round(acc_up, dt, SOFT_RNE)
         if SOFT_RNE_OUT:  # bfloat16 output under the interpreter
             acc = _round(acc, dt, True)
-        if WIDE:
-            tl.store(y_ptr + rows.to(tl.int64)[None, :] * s_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty),
-                     mask=rmask[None, :] & cmask[:, None])
-        else:
-            tl.store(y_ptr + rows.to(tl.int64)[:, None] * s_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=rmask[:, None] & cmask[None, :])
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * s_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
 
 
 def _prefetch_rows(weight: torch.Tensor) -> bool:
@@ -260,11 +215,11 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                          glu: bool = False, out_dtype: torch.dtype | None = None,
                          out: torch.Tensor | None = None, h_out: torch.Tensor | None = None,
-                         config: tuple[bool, int, int, int, int] | None = None
+                         config: tuple[int, int, int, int] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The kernel (see the module docstring). `out` [..., N] and `h_out` (x's shape, with a residual only): buffers
     that receive y and h (viewable as rows with a contiguous last dim). `config` overrides skinny_config(N, K)
-    (tuning probes and tests only: another config is another rounding order)."""
+    (tuning probes only: another config is another rounding order)."""
     if triton is None:
         raise RuntimeError("skinny_linear_triton needs triton")
     _check(x, weight, bias, norm, residual, glu, out_dtype)
@@ -290,19 +245,18 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             raise ValueError("h_out must not be x or the residual: the kernel cannot update them in place")
     r2 = residual.reshape(-1, K).contiguous() if residual is not None else x2
     if M and N:
-        wide, block_m, block_n, block_k, warps, stages = launch_config(N, K, M, norm is not None, glu,
-                                                                      weight.element_size(), config)
+        block_n, block_k, warps, stages = config or skinny_config(N, K)
         k_chunks = triton.cdiv(K, block_k)  # the main loop's steps, unrolled by 2 past 4 (down_proj: 6 steps)
         pdl = pdl_launch(x)
-        prefetch = pdl and not wide and _prefetch_rows(weight)  # a wide weight does not fit in L2
-        _skinny_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+        prefetch = pdl and _prefetch_rows(weight)
+        _skinny_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, BLOCK_M))](
             x2, r2, x2 if norm is None else norm, weight, x2 if bias is None else bias, y, x2 if h is None else h,
             M, N, K, float(eps), x2.stride(0), r2.stride(0), weight.stride(0), y.stride(0),
             0 if h is None else h.stride(0),
             NORM=norm is not None, HAS_RES=residual is not None, GLU=glu, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=_soft_rne(x),
-            SOFT_RNE_OUT=_soft_rne(y), K_CHUNKS=k_chunks, UNROLL=2 if k_chunks > 4 and not wide else 1, PDL=pdl,
-            PREFETCH=prefetch, WIDE=wide, num_warps=warps, **pdl_options(pdl))
+            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=_soft_rne(x),
+            SOFT_RNE_OUT=_soft_rne(y), K_CHUNKS=k_chunks, UNROLL=2 if k_chunks > 4 else 1, PDL=pdl, PREFETCH=prefetch,
+            num_warps=warps, **pdl_options(pdl))
     return y_out, h_out
 
 
