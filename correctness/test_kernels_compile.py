@@ -3,7 +3,9 @@
 CI has no GPU, and the Triton interpreter runs a kernel's Python semantics, not its compilation: a kernel that the
 interpreter accepts can still fail in the compiler (a type the lowering refuses, a layout it cannot convert). Each
 kernel here is compiled ahead of time to a cubin (Triton's own ptxas) at the shapes the engine launches it with,
-including the hybrid 27B shape, so such a failure shows in CI rather than on the first GPU runner.
+including the hybrid 27B shape, so such a failure shows in CI rather than on the first GPU runner. A kernel must
+also fit the shared memory of a Hopper block; the skinny GEMM is compiled with the alignment Triton assumes at the
+engine's launches, since that decides whether its loads are staged in shared memory.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ backend = pytest.importorskip("triton.backends.compiler")
 from kernels import all_reduce, fused, gated_delta, skinny_linear, tree_attention, tree_ops  # noqa: E402
 
 H200 = backend.GPUTarget("cuda", 90, 32)
+HOPPER_SHARED = 227 * 1024  # shared memory a block may take on an H100 or H200
 
 
 def ptr(dtype: str) -> str:
@@ -31,6 +34,10 @@ ATTENTION = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, start_ptr=I64, nm_ptr=U8, r
 BUILD = dict(logp_ptr=F32, ids_ptr=I64, tokens_ptr=I64, parents_ptr=I64, depths_ptr=I64, visible_ptr=U8,
              count_ptr=I64)
 SKINNY = dict(x_ptr=BF16, res_ptr=BF16, norm_ptr=BF16, w_ptr=BF16, b_ptr=BF16, y_ptr=BF16, h_ptr=BF16, eps="fp32")
+# What Triton assumes at a launch with 16-byte aligned tensors and widths that are multiples of 16 (SmolLM2's, the
+# 8B's): the loads may then be pipelined through shared memory, whose size is what can fail on the GPU.
+ALIGNED_SKINNY = ("x_ptr", "res_ptr", "norm_ptr", "w_ptr", "b_ptr", "y_ptr", "h_ptr", "N", "K", "s_xm", "s_rm",
+                  "s_wn", "s_ym", "s_hm")
 
 
 def skinny_constexprs(N: int, K: int) -> dict:
@@ -74,11 +81,14 @@ CASES = [
      dict(HAS_QN=True, HAS_KN=True, D=128, D_P2=128, R=128, SOFT_RNE=False, PDL=True), dict(num_warps=1,
                                                                                  enable_fp_fusion=False)),
     ("skinny linear, norm + residual prologue (SmolLM2 qkv)", skinny_linear._skinny_kernel, SKINNY,
-     dict(NORM=True, HAS_RES=True, GLU=False, HAS_BIAS=False, **skinny_constexprs(960, 576)), dict(num_warps=4)),
+     dict(NORM=True, HAS_RES=True, GLU=False, HAS_BIAS=False, **skinny_constexprs(960, 576)),
+     dict(num_warps=4, divisible=ALIGNED_SKINNY)),
     ("skinny linear, SiLU * up epilogue (SmolLM2 gate/up)", skinny_linear._skinny_kernel, SKINNY,
-     dict(NORM=True, HAS_RES=True, GLU=True, HAS_BIAS=False, **skinny_constexprs(1536, 576)), dict(num_warps=4)),
+     dict(NORM=True, HAS_RES=True, GLU=True, HAS_BIAS=False, **skinny_constexprs(1536, 576)),
+     dict(num_warps=4, divisible=ALIGNED_SKINNY)),
     ("skinny linear, plain with bias (SmolLM2 down)", skinny_linear._skinny_kernel, SKINNY,
-     dict(NORM=False, HAS_RES=False, GLU=False, HAS_BIAS=True, **skinny_constexprs(576, 1536)), dict(num_warps=2)),
+     dict(NORM=False, HAS_RES=False, GLU=False, HAS_BIAS=True, **skinny_constexprs(576, 1536)),
+     dict(num_warps=2, divisible=ALIGNED_SKINNY)),
     ("fused all-reduce + RMSNorm, width 2, 8B hidden", all_reduce._all_reduce_rmsnorm_kernel,
      dict(bufs_ptr=I64, pads_ptr=I64, offset="i64", res_ptr=BF16, w_ptr=BF16, y_ptr=BF16, h_ptr=BF16, eps="fp32"),
      dict(WORLD=2, HAS_RES=True, BLOCK=4096, SOFT_RNE=False, ALIGNED=True), dict(num_warps=8)),
@@ -99,6 +109,9 @@ def test_kernel_compiles_for_the_h200(name, kernel, types, constexprs, options):
     names = list(inspect.signature(kernel.fn).parameters)
     assert set(types) | set(constexprs) <= set(names), f"{name}: unknown arguments"
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    compiled = triton.compile(compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+    options = dict(options)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in options.pop("divisible", ())}
+    compiled = triton.compile(compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=H200, options=options)
     assert compiled.asm.get("cubin"), f"{name}: no cubin"
+    assert compiled.metadata.shared <= HOPPER_SHARED, f"{name}: {compiled.metadata.shared} bytes of shared memory"
