@@ -47,7 +47,8 @@ def skinny_constexprs(N: int, K: int) -> dict:
                 SOFT_RNE_OUT=False, K_CHUNKS=chunks, UNROLL=2 if chunks > 4 else 1, PDL=True, PREFETCH=True)
 
 
-# (name, kernel, pointer and float argument types (others: i32), constexprs, compile options)
+# (name, kernel, pointer and float argument types (others: i32), constexprs, compile options; the options key
+# "divisible" names the arguments compiled as multiples of 16, as Triton specializes them at a launch)
 CASES = [
     ("tree attention, 27B shape, 65 rows, 2 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
      dict(G=6, G_P2=8, TOK=2, BLOCK_M=16, BLOCK_N=64, T_P2=128, SPLIT=512, D=256, D_P2=256, FP32_DOT=False,
