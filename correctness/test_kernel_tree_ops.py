@@ -1,4 +1,4 @@
-"""kernels.tree_ops: the Triton build_tree / walk_tree / compact_kv against their references, the references' own
+"""kernels.tree_ops: the Triton build_tree / walk_tree / compact_kv / commit_tokens against their references, the references' own
 invariants, and the three kernels captured together in a CUDA graph (correctness/test_tree.py checks the
 references against brute force).
 
@@ -21,8 +21,8 @@ import torch
 from kernels import tree_ops
 
 from correctness.kernel_harness import assert_interpreted_ok, run_checks_main
-from kernels.tree_ops import (build_tree_reference, build_tree_triton, compact_kv_reference, compact_kv_triton,
-                              walk_tree_reference, walk_tree_triton)
+from kernels.tree_ops import (build_tree_reference, build_tree_triton, commit_tokens_reference, commit_tokens_triton,
+                              compact_kv_reference, compact_kv_triton, walk_tree_reference, walk_tree_triton)
 
 POISON = -777
 MASK_POISON = 0xAB
@@ -207,6 +207,41 @@ def check_walk_cases(build_fn, walk_fn, device, shapes, seed: int, vocab_range=(
     return cases
 
 
+def commit_case(rng: random.Random, P: int, nodes: int, accepted: int, with_features: bool, device="cpu"):
+    """Inputs of commit_tokens after a walk that accepted `accepted` rows of a path of P (root first, distinct node
+    indices, padded with 0), every output poisoned; and what the module docstring says they become."""
+    ids = torch.tensor([rng.randrange(0, 150000) for _ in range(nodes + 1)])
+    chosen = sorted(rng.sample(range(1, nodes + 1), accepted - 1)) if nodes else []
+    path = torch.tensor([0] + chosen + [0] * (P - accepted))
+    bonus, start, C = rng.randrange(0, 150000), rng.randrange(0, 300), 300 + P + 1
+    new = [int(ids[n]) for n in chosen] + [bonus] + [0] * (P - accepted)
+    want_tokens = torch.full((C,), POISON)
+    want_tokens[start + 1:start + 1 + P] = torch.tensor(new)
+    want = dict(tokens=want_tokens, round_out=torch.tensor([accepted] + new), start=torch.tensor(start + accepted),
+                n_features=torch.tensor(accepted) if with_features else None)
+    args = dict(path=path, accepted=torch.tensor(accepted), bonus=torch.tensor(bonus), ids=ids,
+                start=torch.tensor(start), tokens=torch.full((C,), POISON), round_out=torch.full((1 + P,), POISON),
+                n_features=torch.tensor(POISON) if with_features else None)
+    move = lambda d: {k: None if t is None else t.to(device) for k, t in d.items()}  # noqa: E731
+    return move(args), move(want)
+
+
+def check_commit_cases(commit_fn, device, seed: int) -> int:
+    """commit_tokens against the module docstring's definition: chains and trees, every accepted count, with and
+    without features, at P = 1 (AR), 2, 16 (a 16-token block) and 65 (DDTree-64's path)."""
+    rng = random.Random(seed)
+    cases = 0
+    for P, nodes in ((1, 0), (2, 1), (16, 15), (16, 64), (65, 64)):
+        for accepted in sorted({1, 2, P // 2 + 1, P} & set(range(1, min(P, nodes + 1) + 1))):
+            for with_features in (False, True):
+                args, want = commit_case(rng, P, nodes, accepted, with_features, device)
+                commit_fn(**args)
+                ctx = f"commit P={P} nodes={nodes} accepted={accepted} path={args['path'].tolist()}"
+                for name, w in want.items():
+                    assert w is None or torch.equal(args[name].cpu(), w.cpu()), f"{ctx}: {name}"
+                cases += 1
+    return cases
+
 # ------------------------------------------------------------------------------ interpreter checks (subprocess)
 
 def _interp_build() -> str:
@@ -314,8 +349,12 @@ def _interp_batched() -> str:
     return check_batched_trees(build_tree_triton, walk_tree_triton, "cpu")
 
 
+def _interp_commit() -> str:
+    return f"{check_commit_cases(commit_tokens_triton, 'cpu', seed=16)} commit_tokens cases"
+
+
 CHECKS = {"build": _interp_build, "ties": _interp_ties, "walk": _interp_walk, "compact": _interp_compact,
-          "batched": _interp_batched}
+          "batched": _interp_batched, "commit": _interp_commit}
 
 
 # ---------------------------------------------------------------------------------------------------- CPU tests
@@ -403,6 +442,16 @@ def test_compact_reference_matches_sequential_definition():
 
 
 @pytest.mark.cpu
+def test_commit_reference_matches_definition():
+    assert check_commit_cases(commit_tokens_reference, "cpu", seed=17) >= 20
+    args, _ = commit_case(random.Random(18), 4, 3, 2, False)
+    with pytest.raises(ValueError, match="int64"):
+        commit_tokens_reference(**dict(args, ids=args["ids"].int()))
+    with pytest.raises(ValueError, match="round_out"):
+        commit_tokens_reference(**dict(args, round_out=args["round_out"][:3]))
+
+
+@pytest.mark.cpu
 def test_references_build_and_walk_batched_sequences():
     check_batched_trees(build_tree_reference, walk_tree_reference, "cpu")
 
@@ -429,6 +478,7 @@ def test_dispatchers_use_the_references_on_cpu(monkeypatch):
         monkeypatch.setattr(tree_ops, "build_tree_triton", lambda *a, **k: called.append(1))
         monkeypatch.setattr(tree_ops, "walk_tree_triton", lambda *a, **k: called.append(1))
         monkeypatch.setattr(tree_ops, "compact_kv_triton", lambda *a, **k: called.append(1))
+        monkeypatch.setattr(tree_ops, "commit_tokens_triton", lambda *a, **k: called.append(1))
     tree = tree_ops.build_tree(logp, ids, 15)
     assert_same(BUILD_NAMES, tree, build_tree_reference(logp, ids, 15), "dispatch build")
     post = torch.zeros(16, dtype=torch.long)
@@ -438,6 +488,9 @@ def test_dispatchers_use_the_references_on_cpu(monkeypatch):
     v, k0 = k.clone(), k.clone()
     tree_ops.compact_kv(k, v, torch.tensor(1), torch.tensor([0, 2, 0]), torch.tensor(2))
     assert torch.equal(k[:, :, :, 2], k0[:, :, :, 3]) and torch.equal(k, v)
+    args, want = commit_case(random.Random(20), 3, 2, 2, True)
+    tree_ops.commit_tokens(**args)
+    assert torch.equal(args["round_out"], want["round_out"])
     assert not called
     monkeypatch.setenv("ENGINE_DISABLE_TRITON", "1")
     assert tree_ops.triton_disabled()
@@ -489,6 +542,12 @@ def real_shape_walk_checks(dev, vocab: int) -> None:
 @needs_cuda
 def test_gpu_compact_kv_matches_reference():
     real_shape_compact_checks("cuda", 36)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_commit_tokens_matches_definition():
+    assert check_commit_cases(tree_ops.commit_tokens, "cuda", seed=19) >= 20
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ from kernels import triton_disabled
 from kernels.gated_delta import tree_schedule
 from kernels.topk import topk_logprobs
 from kernels.tree_attention import MAX_TRITON_T
-from kernels.tree_ops import build_tree, walk_tree
+from kernels.tree_ops import build_tree, commit_tokens, walk_tree
 
 from .cache import ModelCache
 from .draft import DraftInput, Drafter
@@ -135,7 +135,6 @@ class Sequence:
     round_out: torch.Tensor          # [1 + block]: the last round's accepted count, then its committed tokens
     host_out: torch.Tensor           # [2, 1 + block] (pinned on a GPU): round_out copied for the host, two slots
     out_ready: list | None           # a CUDA event per host_out slot (None on a CPU)
-    offsets: torch.Tensor            # arange(block + 1)
     zero: torch.Tensor               # [0]
 
 
@@ -249,7 +248,6 @@ class Decoder:
             round_out=torch.zeros(1 + block, dtype=torch.long, device=dev),
             host_out=torch.zeros(2, 1 + block, dtype=torch.long, pin_memory=dev.type == "cuda"),
             out_ready=[torch.cuda.Event() for _ in range(2)] if dev.type == "cuda" else None,
-            offsets=torch.arange(block + 1, device=dev),
             zero=torch.zeros(1, dtype=torch.long, device=dev))
         # AR: no nodes; DFlash: the chain, its tokens filled in per round; DDTree: replaced per round
         self.round = Round(RoundTree.chain(self.nodes, dev))
@@ -305,16 +303,13 @@ class Decoder:
         s, r, block = self.seq, self.round, self.block_size
         cache = s.cache
         r.path, accepted, bonus = walk_tree(r.posterior, r.tree.tokens, r.tree.parents, r.tree.n_nodes, block - 1)
-        cache.keep(r.path, accepted)
-        # New tokens: the accepted nodes' tokens, then the bonus (entries past `accepted` are padding).
-        new = torch.cat((r.verify_ids.index_select(0, r.path[1:]), s.zero))
-        new.index_copy_(0, (accepted - 1).view(1), bonus.view(1))
-        s.tokens[0].index_copy_(0, cache.start + 1 + s.offsets[:block], new)
+        if self.nodes or cache.recurrent:  # AR's one row is already in place; a hybrid's recurrent state moves on
+            cache.keep(r.path, accepted)
         if self.feature_layers:
-            s.features[0].copy_(r.verify_features[0].index_select(0, r.path))
-            s.n_features.copy_(accepted)
-        cache.start.add_(accepted)
-        s.round_out.copy_(torch.cat((accepted.view(1), new)))
+            torch.index_select(r.verify_features[0], 0, r.path, out=s.features[0])
+        # the accepted nodes' tokens and the bonus into tokens and round_out, start += accepted: one kernel
+        commit_tokens(r.path, accepted, bonus, r.verify_ids, cache.start, s.tokens[0], s.round_out,
+                      s.n_features if self.feature_layers else None)
 
     def _stages(self) -> dict:
         stages = {"verify": self._stage_verify, "commit": self._stage_commit}

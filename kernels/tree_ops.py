@@ -1,12 +1,12 @@
-"""DDTree round bookkeeping on the device: build the draft tree, walk it, compact the KV cache.
+"""DDTree round bookkeeping on the device: build the draft tree, walk it, compact the KV cache, commit the tokens.
 
-Three functions of the decode loop (docs/design.md, "DDTree"), each in three forms:
+Four functions of the decode loop (docs/design.md, "DDTree"), each in three forms:
 
 - `*_reference`: plain PyTorch / Python, readable; the CPU path and the tests' oracle (reads values on the host).
 - `*_triton`: a Triton kernel. No host synchronisation, no Python control flow on tensor values, outputs of
   static shapes written on the device: safe to capture in a CUDA graph and replay with new inputs copied in place.
   They take optional `out=` tensors. Under TRITON_INTERPRET=1 they also run on CPU tensors (tests).
-- the dispatcher (`build_tree`, `walk_tree`, `compact_kv`): the kernel for CUDA tensors, else the reference.
+- the dispatcher (`build_tree`, `walk_tree`, `compact_kv`, `commit_tokens`): the kernel for CUDA tensors, else the reference.
   `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) forces the reference.
 
 build_tree(topk_logp [Dp, K] f32, topk_ids [Dp, K] i64, budget) -> tokens, parents, depths, visible, count
@@ -30,6 +30,12 @@ compact_kv(k, v, start, path, accepted)
     row start+path[i], in place, all layers in one launch. Batch rows that are separate sequences (batched decoding)
     each have their own: start [B], path [B, P], accepted [B].
 
+commit_tokens(path [P], accepted, bonus, ids [N+1], start, tokens [C], round_out [1+P], n_features=None)
+    After the walk (one sequence; every tensor on one device, 0-d values as tensors, all int64): the round's new
+    tokens new[i] = ids[path[i+1]] for i < accepted - 1, new[accepted - 1] = bonus, 0 past accepted; then
+    tokens[start + 1 + i] = new[i] for i < P, round_out = [accepted, new...], n_features = accepted (if given) and,
+    last, start += accepted, in place. The eleven small PyTorch kernels of this bookkeeping in one launch.
+
 Kernel designs
 --------------
 build_tree: one program, one warp. The candidate set lives in a register vector of CAP = next_pow2(budget + 2)
@@ -47,6 +53,9 @@ True into its row.
 walk_tree: one program. First, in parallel, node c is "good" if it is real and token(c) == posterior[parent(c)].
 The accepted path is then the chain of good nodes from the root (siblings have distinct tokens, so a node has at
 most one good child): max_depth steps of one max reduction each.
+
+commit_tokens: one program, one warp: vector loads of path and the nodes' ids, vector stores, then (after a
+barrier: every thread has read start) the new start.
 
 compact_kv: grid (L * B * KVH, Dh chunks); each program loops i = 0..P-1 in order over its row chunk of k and v,
 copying row start+path[i] to start+i when i < accepted and path[i] != i. Rows only move down and a row written at
@@ -66,6 +75,7 @@ __all__ = [
     "build_tree", "build_tree_reference", "build_tree_triton",
     "walk_tree", "walk_tree_reference", "walk_tree_triton",
     "compact_kv", "compact_kv_reference", "compact_kv_triton",
+    "commit_tokens", "commit_tokens_reference", "commit_tokens_triton",
     "triton_disabled",
 ]
 
@@ -215,6 +225,34 @@ def compact_kv_reference(k: torch.Tensor, v: torch.Tensor, start, path: torch.Te
 
 
 # ==================================================================================================== kernels
+
+def _check_commit(path, accepted, bonus, ids, start, tokens, round_out, n_features):
+    P = path.shape[0] if path.dim() == 1 else -1
+    if P < 1 or ids.dim() != 1 or tokens.dim() != 1 or tuple(round_out.shape) != (1 + P,):
+        raise ValueError(f"expected path [P >= 1], ids [N+1], tokens [C] and round_out [1+P]; got {tuple(path.shape)}, "
+                         f"{tuple(ids.shape)}, {tuple(tokens.shape)}, {tuple(round_out.shape)}")
+    scalars = [accepted, bonus, start] + ([] if n_features is None else [n_features])
+    if any(t.numel() != 1 for t in scalars):
+        raise ValueError("accepted, bonus, start and n_features must hold one value each")
+    tensors = [path, ids, tokens, round_out] + scalars
+    if any(t.dtype != torch.long for t in tensors) or len({t.device for t in tensors}) != 1:
+        raise ValueError("commit_tokens takes int64 tensors on one device")
+
+
+def commit_tokens_reference(path: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor, ids: torch.Tensor,
+                            start: torch.Tensor, tokens: torch.Tensor, round_out: torch.Tensor,
+                            n_features: torch.Tensor | None = None) -> None:
+    """Plain PyTorch (no host read): see the module docstring."""
+    _check_commit(path, accepted, bonus, ids, start, tokens, round_out, n_features)
+    i = torch.arange(path.shape[0], device=path.device)
+    nodes = ids.index_select(0, torch.cat((path[1:], path[:1])))  # ids[path[i + 1]]; the last entry is padding
+    new = torch.where(i < accepted - 1, nodes, torch.where(i == accepted - 1, bonus, torch.zeros_like(nodes)))
+    tokens.index_copy_(0, start.reshape(1) + 1 + i, new)
+    round_out.copy_(torch.cat((accepted.reshape(1), new)))
+    if n_features is not None:
+        n_features.copy_(accepted.reshape(n_features.shape))
+    start.add_(accepted.reshape(start.shape))
+
 
 if triton is not None:
     @triton.jit
@@ -366,6 +404,23 @@ if triton is not None:
         tl.store(bonus_ptr, tl.load(post_ptr + cur))
 
     @triton.jit
+    def _commit_tokens_kernel(path_ptr, accepted_ptr, bonus_ptr, ids_ptr, start_ptr, tokens_ptr, out_ptr, nf_ptr,
+                              P: tl.constexpr, PCAP: tl.constexpr, HAS_NF: tl.constexpr):
+        i = tl.arange(0, PCAP)
+        accepted = tl.load(accepted_ptr)
+        start = tl.load(start_ptr)
+        node = tl.load(path_ptr + i + 1, mask=i + 1 < P, other=0)
+        new = tl.load(ids_ptr + node, mask=i < accepted - 1, other=0)
+        new = tl.where(i == accepted - 1, tl.load(bonus_ptr), new)
+        tl.store(tokens_ptr + start + 1 + i, new, mask=i < P)
+        tl.store(out_ptr + 1 + i, new, mask=i < P)
+        tl.store(out_ptr, accepted)
+        if HAS_NF:
+            tl.store(nf_ptr, accepted)
+        tl.debug_barrier()  # every thread has read start
+        tl.store(start_ptr, start + accepted)
+
+    @triton.jit
     def _compact_kv_kernel(k_ptr, v_ptr, start_ptr, path_ptr, accepted_ptr, s_start, s_path, s_acc,
                            sk_l, sk_b, sk_h, sk_r, sv_l, sv_b, sv_h, sv_r,
                            B: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, P: tl.constexpr,
@@ -478,6 +533,20 @@ def compact_kv_triton(k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, pat
                              B=B, H=H, DH=Dh, P=P, BLOCK_D=block_d, num_warps=1 if block_d <= 128 else 2)
 
 
+def commit_tokens_triton(path: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor, ids: torch.Tensor,
+                         start: torch.Tensor, tokens: torch.Tensor, round_out: torch.Tensor,
+                         n_features: torch.Tensor | None = None) -> None:
+    """The Triton commit_tokens (one program, one launch)."""
+    _require_triton()
+    _check_commit(path, accepted, bonus, ids, start, tokens, round_out, n_features)
+    if tokens.stride(0) != 1 or round_out.stride(0) != 1:
+        raise ValueError("tokens and round_out must be contiguous")
+    P = path.shape[0]
+    _commit_tokens_kernel[(1,)](path.contiguous(), accepted, bonus, ids.contiguous(), start, tokens, round_out,
+                                start if n_features is None else n_features, P=P, PCAP=max(2, _next_pow2(P)),
+                                HAS_NF=n_features is not None, num_warps=1)
+
+
 # ==================================================================================================== dispatchers
 
 def build_tree(topk_logp: torch.Tensor, topk_ids: torch.Tensor, budget: int, out=None):
@@ -501,3 +570,13 @@ def compact_kv(k: torch.Tensor, v: torch.Tensor, start, path: torch.Tensor, acce
         compact_kv_triton(k, v, start, path, accepted)
     else:
         compact_kv_reference(k, v, start, path, accepted)
+
+
+def commit_tokens(path: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor, ids: torch.Tensor,
+                  start: torch.Tensor, tokens: torch.Tensor, round_out: torch.Tensor,
+                  n_features: torch.Tensor | None = None) -> None:
+    """A round's token bookkeeping after the walk: the kernel on CUDA, else the reference (module docstring)."""
+    if _use_triton(path):
+        commit_tokens_triton(path, accepted, bonus, ids, start, tokens, round_out, n_features)
+    else:
+        commit_tokens_reference(path, accepted, bonus, ids, start, tokens, round_out, n_features)
