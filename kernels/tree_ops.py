@@ -6,8 +6,8 @@ Four functions of the decode loop (docs/design.md, "DDTree"), each in three form
 - `*_triton`: a Triton kernel. No host synchronisation, no Python control flow on tensor values, outputs of
   static shapes written on the device: safe to capture in a CUDA graph and replay with new inputs copied in place.
   They take optional `out=` tensors. Under TRITON_INTERPRET=1 they also run on CPU tensors (tests).
-- the dispatcher (`build_tree`, `walk_tree`, `compact_kv`, `commit_tokens`): the kernel for CUDA tensors, else the reference.
-  `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) forces the reference.
+- the dispatcher (`build_tree`, `walk_tree`, `compact_kv`, `commit_tokens`): the kernel for CUDA tensors, else the
+  reference. `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) forces the reference.
 
 build_tree(topk_logp [Dp, K] f32, topk_ids [Dp, K] i64, budget) -> tokens, parents, depths, visible, count
     (batched decoding: [B, Dp, K] inputs, one tree per sequence, every output with a leading B; walk_tree likewise)
@@ -224,8 +224,6 @@ def compact_kv_reference(k: torch.Tensor, v: torch.Tensor, start, path: torch.Te
         t[:, :, :, s:s + a] = t.index_select(3, src)
 
 
-# ==================================================================================================== kernels
-
 def _check_commit(path, accepted, bonus, ids, start, tokens, round_out, n_features):
     P = path.shape[0] if path.dim() == 1 else -1
     if P < 1 or ids.dim() != 1 or tokens.dim() != 1 or tuple(round_out.shape) != (1 + P,):
@@ -253,6 +251,8 @@ def commit_tokens_reference(path: torch.Tensor, accepted: torch.Tensor, bonus: t
         n_features.copy_(accepted.reshape(n_features.shape))
     start.add_(accepted.reshape(start.shape))
 
+
+# ==================================================================================================== kernels
 
 if triton is not None:
     @triton.jit
