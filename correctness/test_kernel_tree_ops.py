@@ -1,5 +1,5 @@
-"""kernels.tree_ops: the Triton build_tree / walk_tree / compact_kv / commit_tokens against their references, the references' own
-invariants, and the three kernels captured together in a CUDA graph (correctness/test_tree.py checks the
+"""kernels.tree_ops: the Triton build_tree / walk_tree / compact_kv / commit_tokens against their references, the
+references' own invariants, and three of the kernels captured together in a CUDA graph (correctness/test_tree.py checks the
 references against brute force).
 
 CPU: the references are checked directly; the Triton kernels run under the Triton interpreter in a subprocess
