@@ -1,6 +1,6 @@
 """kernels.tree_ops: the Triton build_tree / walk_tree / compact_kv / commit_tokens against their references, the
-references' own invariants, and three of the kernels captured together in a CUDA graph (correctness/test_tree.py checks the
-references against brute force).
+references' own invariants, and three of the kernels captured together in a CUDA graph (correctness/test_tree.py
+checks the references against brute force).
 
 CPU: the references are checked directly; the Triton kernels run under the Triton interpreter in a subprocess
 (TRITON_INTERPRET=1 must be set before triton is imported), one subprocess per kernel: `python -m
