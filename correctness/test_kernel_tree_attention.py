@@ -175,6 +175,9 @@ def _boundary_cases() -> list[Case]:
         # head_dim not a power of two, and below 16 (padded for tl.dot)
         Case("D24", 6, 2, 5, 24, 96, [0, 30, 91]),
         Case("D8", 4, 4, 9, 8, 80, [0, 23, 71], mask="full"),
+        # every new row sees every other (a draft's bidirectional block): row 0's keys cross a split boundary
+        # although start + 1 does not
+        Case("full-across-split", 4, 2, 9, 16, 96, [28, 60], mask="full"),
         Case("D40-gqa3", 3, 1, 16, 40, 96, [5, 80], mask="tree"),
         # peaky softmax: the running max changes a lot between blocks and splits
         Case("peaky", 4, 2, 5, 32, 128, [3, 61, 123], q_std=6.0),

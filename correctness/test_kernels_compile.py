@@ -30,7 +30,7 @@ def ptr(dtype: str) -> str:
 BF16, F32, I64, I32, U8 = ptr("bf16"), ptr("fp32"), ptr("i64"), ptr("i32"), ptr("u8")
 
 ATTENTION = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, start_ptr=I64, nm_ptr=U8, rows_ptr=I32, out_ptr=BF16,
-                 pacc_ptr=F32, pm_ptr=F32, pl_ptr=F32, qk_scale="fp32")
+                 pacc_ptr=F32, pm_ptr=F32, pl_ptr=F32, count_ptr=I32, qk_scale="fp32")
 BUILD = dict(logp_ptr=F32, ids_ptr=I64, tokens_ptr=I64, parents_ptr=I64, depths_ptr=I64, visible_ptr=U8,
              count_ptr=I64)
 SKINNY = dict(x_ptr=BF16, res_ptr=BF16, norm_ptr=BF16, w_ptr=BF16, b_ptr=BF16, y_ptr=BF16, h_ptr=BF16, eps="fp32")
@@ -53,15 +53,12 @@ CASES = [
     ("tree attention, 27B shape, 65 rows, 2 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
      dict(G=6, G_P2=8, TOK=2, BLOCK_M=16, BLOCK_N=64, T_P2=128, SPLIT=512, D=256, D_P2=256, FP32_DOT=False,
           ROUND_P=True, WRITE_OUT=True, PDL=True), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
-    ("tree attention, 8B shape, decode, split keys", tree_attention._tree_attn_fwd, ATTENTION,
+    ("tree attention, 8B shape, decode, split keys merged in the kernel", tree_attention._tree_attn_fwd, ATTENTION,
      dict(G=4, G_P2=4, TOK=1, BLOCK_M=16, BLOCK_N=64, T_P2=2, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
           ROUND_P=True, WRITE_OUT=False, PDL=True), dict(num_warps=2, num_stages=3, enable_fp_fusion=False)),
     ("tree attention, 8B shape, c8 verify, 4 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
      dict(G=4, G_P2=4, TOK=4, BLOCK_M=16, BLOCK_N=64, T_P2=16, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
           ROUND_P=True, WRITE_OUT=True, PDL=True), dict(num_warps=2, num_stages=2, enable_fp_fusion=False)),
-    ("tree attention's split merge", tree_attention._tree_attn_merge,
-     dict(pacc_ptr=F32, pm_ptr=F32, pl_ptr=F32, out_ptr=BF16), dict(D=128, D_P2=128, BLOCK_R=8, PDL=True),
-     dict(num_warps=2, enable_fp_fusion=False)),
     ("rmsnorm with residual", fused._rmsnorm_kernel, dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, y_ptr=BF16,
                                                           h_ptr=BF16, eps="fp32"),
      dict(HAS_RES=True, BLOCK=4096, SOFT_RNE=False, PDL=True), dict(num_warps=4)),

@@ -45,10 +45,16 @@ two loops share one block grid and run the same operations with FP contraction o
 against decode checks their bits (it passed on the H200 at 1000 keys for chains, trees and 33-deep trees, with one
 token and with packed tokens per program, 2026-12-04). Keys past start + T are never loaded.
 Split s covers logical keys [s * SPLIT, (s + 1) * SPLIT); the number of splits is cdiv(CAP, SPLIT): it does not
-depend on `start`, and a split past the token's keys runs no iteration and writes a neutral partial (max -inf,
-sum 0, acc 0), which merges as an exact no-op. With one split the kernel normalises and writes `out` directly;
-otherwise `_tree_attn_merge` combines the partials of BLOCK_R output rows split by split (log-sum-exp merge;
-neutral partials weigh 0 and a running max of -inf is never subtracted from itself, so no NaN). FP contraction is
+depend on `start`. With one split the kernel normalises and writes `out` directly. Otherwise a split at or past the
+bound start + T exits at once; the others (the *active* splits) write partials (max,
+sum, unnormalised acc; a split past one token's own keys writes a neutral partial, max -inf, sum 0, acc 0), then
+count their arrival on the token group's counter (acq_rel), and the last to arrive merges the partials split by
+split in split order (log-sum-exp; a neutral partial weighs exp2(-inf) = 0 and changes no bit, and a running max
+of -inf is never subtracted from itself, so no NaN), writes `out` and resets the counter. One launch, no merge
+kernel after it, and the result does not depend on which split finished last. A group whose keys fit one split
+writes `out` directly too: merging a single partial with neutral ones gives the same bits, so decode (one active
+split) and verify (maybe more, all but one neutral for that token) agree. The counters are shared by the calls on
+a device (`_arrival_counters`): calls on one stream run one after another. FP contraction is
 off: every operation rounds as written. The block body is written inline rather than as a @triton.jit helper:
 under TRITON_INTERPRET=1 every device-function call re-patches triton.language, which made the CPU tests several
 times slower.
@@ -115,7 +121,7 @@ if triton is not None:
 
     @triton.jit
     def _tree_attn_fwd(q_ptr, k_ptr, v_ptr, start_ptr, nm_ptr, rows_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr,
-                       B, T, CAP, H, KVH, qk_scale,
+                       count_ptr, B, T, CAP, H, KVH, qk_scale,
                        stride_qb, stride_qh, stride_qt,
                        stride_kb, stride_kh, stride_kn,
                        stride_vb, stride_vh, stride_vn,
@@ -127,7 +133,8 @@ if triton is not None:
                        FP32_DOT: tl.constexpr, ROUND_P: tl.constexpr, WRITE_OUT: tl.constexpr,
                        PDL: tl.constexpr):
         """Program (b * KVH + kv head, TOK tokens, key split): online softmax over each token's keys in logical
-        order; the committed prefix's blocks are shared by the program's tokens."""
+        order; the committed prefix's blocks are shared by the program's tokens. With several splits, the last
+        split of a token group to finish merges the group's partials (count_ptr: one arrival counter per group)."""
         pdl_wait(PDL)
         pid_bk = tl.program_id(0)
         t0 = tl.program_id(1) * TOK
@@ -153,6 +160,14 @@ if triton is not None:
                     mask=q_mask, other=0.0)
         if FP32_DOT:
             q = q.to(tl.float32)
+        lo = pid_s * SPLIT
+        # No token has more keys than start + T (a draft's bidirectional block sees all T new rows): the splits at
+        # or past that bound have nothing to compute, merge or count.
+        bound = start + T
+        active = (bound + SPLIT - 1) // SPLIT
+        if not WRITE_OUT:
+            if lo >= bound:
+                return
 
         k_base = k_ptr + b * stride_kb + kvh * stride_kh
         v_base = v_ptr + b * stride_vb + kvh * stride_vh
@@ -166,7 +181,6 @@ if triton is not None:
         # Split s covers logical keys [lo, lo + SPLIT). Every token sees past `start` (itself at least), so the
         # blocks wholly inside the committed prefix are the same for all of them: walked once for all the rows,
         # with plain addresses and no masks, so the pipeliner issues their loads ahead.
-        lo = pid_s * SPLIT
         prefix_end = lo + tl.maximum(tl.minimum(lo + SPLIT, start) - lo, 0) // BLOCK_N * BLOCK_N
         for n0 in range(lo, prefix_end, BLOCK_N):
             offs = n0 + offs_n
@@ -199,8 +213,8 @@ if triton is not None:
                            mask=nodes < tl.where(tj < T, T, 0), other=0) != 0  # a token past T sees nothing
             length = start + tl.sum(seen.to(tl.int32), 0)
             hi = tl.where(tj < T, tl.minimum(lo + SPLIT, length), lo)  # hi <= lo: no keys in this split
-            visible = rows_ptr + b * stride_rows_b + tj * stride_rows
             mine = slot == j
+            visible = rows_ptr + b * stride_rows_b + tj * stride_rows
             for n0 in range(prefix_end, hi, BLOCK_N):
                 offs = n0 + offs_n
                 # committed prefix: logical key = cache row; past it, the visible new row of rank offs - start (a
@@ -237,52 +251,47 @@ if triton is not None:
                     l_i = tl.where(mine, l_new, l_i)
                     acc = tl.where(mine[:, None], acc_new, acc)
 
+        out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + tok[:, None] * stride_ot + offs_d[None, :]
         if WRITE_OUT:  # a single split: normalise and write the output rows
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            o = acc / l_safe[:, None]
-            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + tok[:, None] * stride_ot
-                     + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
+            _store_normalised(out_rows, acc, l_i, q_mask)
+        elif active == 1:  # the group's keys fit this split: merging one partial would change no bit
+            _store_normalised(out_rows, acc, l_i, q_mask)
         else:  # partials laid out [split, B, H, T] (+ [D] for acc), contiguous
-            row = ((pid_s * B + b) * H + heads) * T + tok
-            tl.store(pm_ptr + row, m_i, mask=row_ok)
-            tl.store(pl_ptr + row, l_i, mask=row_ok)
-            tl.store(pacc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=q_mask)
+            row = ((b * H + heads) * T + tok)
+            rows_all = B * H * T
+            tl.store(pm_ptr + pid_s * rows_all + row, m_i, mask=row_ok)
+            tl.store(pl_ptr + pid_s * rows_all + row, l_i, mask=row_ok)
+            tl.store(pacc_ptr + (pid_s * rows_all + row)[:, None] * D + offs_d[None, :], acc, mask=q_mask)
+            # Release the partials (every thread's stores before one thread's acq_rel count), then the last of
+            # the group's active splits to arrive merges them, split by split, in split order: the result does not
+            # depend on which split finished last. It resets the counter for the next call on the stream.
+            tl.debug_barrier()
+            counter = count_ptr + pid_bk * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_M, D_P2], dtype=tl.float32)
+                for s in range(0, active):  # a neutral partial (max -inf, sum 0) weighs exp2(-inf) = 0
+                    part = s * rows_all + row
+                    m_s = tl.load(pm_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(pl_ptr + part, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(pacc_ptr + part[:, None] * D + offs_d[None, :], mask=q_mask, other=0.0,
+                                  cache_modifier=".cg")
+                    m_new = tl.maximum(m_run, m_s)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # never -inf - -inf
+                    alpha = tl.exp2(m_run - m_safe)
+                    w = tl.exp2(m_s - m_safe)
+                    l_run = l_run * alpha + w * l_s
+                    acc = acc * alpha[:, None] + w[:, None] * a_s
+                    m_run = m_new
+                _store_normalised(out_rows, acc, l_run, q_mask)
 
     @triton.jit
-    def _tree_attn_merge(pacc_ptr, pm_ptr, pl_ptr, out_ptr, NUM_SPLITS, ROWS, T, H,
-                         stride_ob, stride_oh, stride_ot,
-                         D: tl.constexpr, D_P2: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-        """BLOCK_R output rows (b, h, t): log-sum-exp merge of their NUM_SPLITS partials, split by split.
-
-        A neutral partial (max -inf, sum 0, acc 0) weighs exp2(-inf) = 0; a row whose max is still -inf keeps
-        a safe reference max of 0, so no -inf - -inf appears.
-        """
-        pdl_wait(PDL)
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # = (b * H + h) * T + t
-        r_ok = rows < ROWS
-        offs_d = tl.arange(0, D_P2)
-        mask = r_ok[:, None] & (offs_d < D)[None, :]
-        m_run = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-        l_run = tl.zeros([BLOCK_R], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_R, D_P2], dtype=tl.float32)
-        for s in range(0, NUM_SPLITS):
-            m_s = tl.load(pm_ptr + s * ROWS + rows, mask=r_ok, other=float("-inf"))
-            l_s = tl.load(pl_ptr + s * ROWS + rows, mask=r_ok, other=0.0)
-            a_s = tl.load(pacc_ptr + (s * ROWS + rows)[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-            m_new = tl.maximum(m_run, m_s)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_run - m_safe)
-            w = tl.exp2(m_s - m_safe)
-            l_run = l_run * alpha + w * l_s
-            acc = acc * alpha[:, None] + w[:, None] * a_s
-            m_run = m_new
-        l_safe = tl.where(l_run == 0.0, 1.0, l_run)
-        o = acc / l_safe[:, None]
-        t = rows % T
-        h = (rows // T) % H
-        b = rows // (T * H)
-        tl.store(out_ptr + (b * stride_ob + h * stride_oh + t * stride_ot)[:, None] + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask)
+    def _store_normalised(out_rows, acc, l, mask):
+        """out = acc / l in the output's dtype (a row that saw no key, l = 0, is written as 0)."""
+        l_safe = tl.where(l == 0.0, 1.0, l)
+        tl.store(out_rows, (acc / l_safe[:, None]).to(out_rows.dtype.element_ty), mask=mask)
 
 
 def tokens_per_tile(G: int) -> int:
@@ -300,6 +309,23 @@ def _start_tensor(start, B: int, device) -> torch.Tensor:
         start = start if start.device == device else start.to(device)  # a host copy is not graph-capturable
         return start.reshape(-1) if start.numel() > 1 else start
     return torch.full((), int(start), dtype=torch.int64, device=device)  # a fill kernel, capturable
+
+
+_COUNTERS: dict = {}  # device -> the arrival counters of the split merge
+_RETIRED: list = []   # outgrown counters, kept alive: a captured graph may still use them
+
+
+def _arrival_counters(n: int, device) -> torch.Tensor:
+    """At least n zeroed int32 arrival counters on `device` for the split merge, shared by every call on the
+    device: each call's last split resets its group's counter to 0, and calls on one stream run one after another
+    (a kernel launched with PDL counts only after the kernel before it has finished)."""
+    key = torch.device(device)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < n:
+        if have is not None:
+            _RETIRED.append(have)
+        have = _COUNTERS[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return have
 
 
 def visible_rows(node_mask: torch.Tensor) -> torch.Tensor:
@@ -389,14 +415,15 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     write_out = num_splits == 1
     if write_out:
-        pacc = pm = pl = out  # unused
+        pacc = pm = pl = count = out  # unused
     else:
         pacc = torch.empty(num_splits, B, H, T, D, dtype=torch.float32, device=q.device)
         pm = torch.empty(num_splits, B, H, T, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
+        count = _arrival_counters(B * KVH * triton.cdiv(T, tok), q.device)
     pdl = pdl_launch(q)
     _tree_attn_fwd[(B * KVH, triton.cdiv(T, tok), num_splits)](
-        q, k_cache, v_cache, start_t, nm, rows, out, pacc, pm, pl,
+        q, k_cache, v_cache, start_t, nm, rows, out, pacc, pm, pl, count,
         B, T, CAP, H, KVH, qk_scale,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -408,13 +435,6 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         D_P2=d_p2,
         FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, enable_fp_fusion=False, **pdl_options(pdl))
-    if not write_out:
-        rows = B * H * T
-        block_r = 8
-        _tree_attn_merge[(triton.cdiv(rows, block_r),)](
-            pacc, pm, pl, out, num_splits, rows, T, H,
-            out.stride(0), out.stride(1), out.stride(2),
-            D=D, D_P2=d_p2, BLOCK_R=block_r, PDL=pdl, num_warps=2, enable_fp_fusion=False, **pdl_options(pdl))
     return out
 
 
