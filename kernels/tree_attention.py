@@ -46,7 +46,7 @@ against decode checks their bits (it passed on the H200 at 1000 keys for chains,
 token and with packed tokens per program, 2026-12-04). Keys past start + T are never loaded.
 Split s covers logical keys [s * SPLIT, (s + 1) * SPLIT); the number of splits is cdiv(CAP, SPLIT): it does not
 depend on `start`. With one split the kernel normalises and writes `out` directly. Otherwise a split at or past the
-bound start + T exits at once; the others (the *active* splits) write partials (max,
+bound min(start + T, CAP) exits at once; the others (the *active* splits) write partials (max,
 sum, unnormalised acc; a split past one token's own keys writes a neutral partial, max -inf, sum 0, acc 0), then
 count their arrival on the token group's counter (acq_rel), and the last to arrive merges the partials split by
 split in split order (log-sum-exp; a neutral partial weighs exp2(-inf) = 0 and changes no bit, and a running max
@@ -161,9 +161,9 @@ if triton is not None:
         if FP32_DOT:
             q = q.to(tl.float32)
         lo = pid_s * SPLIT
-        # No token has more keys than start + T (a draft's bidirectional block sees all T new rows): the splits at
-        # or past that bound have nothing to compute, merge or count.
-        bound = start + T
+        # No token has more keys than start + T (a draft's bidirectional block sees all T new rows), nor than CAP:
+        # the splits at or past that bound have nothing to compute, merge or count (and every split counted exists).
+        bound = tl.minimum(start + T, CAP)
         active = (bound + SPLIT - 1) // SPLIT
         if not WRITE_OUT:
             if lo >= bound:
@@ -213,8 +213,8 @@ if triton is not None:
                            mask=nodes < tl.where(tj < T, T, 0), other=0) != 0  # a token past T sees nothing
             length = start + tl.sum(seen.to(tl.int32), 0)
             hi = tl.where(tj < T, tl.minimum(lo + SPLIT, length), lo)  # hi <= lo: no keys in this split
-            mine = slot == j
             visible = rows_ptr + b * stride_rows_b + tj * stride_rows
+            mine = slot == j
             for n0 in range(prefix_end, hi, BLOCK_N):
                 offs = n0 + offs_n
                 # committed prefix: logical key = cache row; past it, the visible new row of rank offs - start (a
@@ -257,7 +257,7 @@ if triton is not None:
         elif active == 1:  # the group's keys fit this split: merging one partial would change no bit
             _store_normalised(out_rows, acc, l_i, q_mask)
         else:  # partials laid out [split, B, H, T] (+ [D] for acc), contiguous
-            row = ((b * H + heads) * T + tok)
+            row = (b * H + heads) * T + tok
             rows_all = B * H * T
             tl.store(pm_ptr + pid_s * rows_all + row, m_i, mask=row_ok)
             tl.store(pl_ptr + pid_s * rows_all + row, l_i, mask=row_ok)
