@@ -122,7 +122,8 @@ def test_env_switch_is_checked(monkeypatch):
     with pytest.raises(EngineError, match="ENGINE_SKINNY_LINEAR"):
         skinny_forced()
     monkeypatch.setenv("ENGINE_SKINNY_LINEAR", "auto")
-    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH"):  # read at each launch, checked at load time
+    # read at each launch, checked at load time
+    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH", "ENGINE_ATTN_PREFETCH"):
         monkeypatch.setenv(name, "on")
         with pytest.raises(EngineError, match=name):
             fuse_projections([])

@@ -52,13 +52,13 @@ def skinny_constexprs(N: int, K: int) -> dict:
 CASES = [
     ("tree attention, 27B shape, 65 rows, 2 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
      dict(G=6, G_P2=8, TOK=2, BLOCK_M=16, BLOCK_N=64, T_P2=128, SPLIT=512, D=256, D_P2=256, FP32_DOT=False,
-          ROUND_P=True, WRITE_OUT=True, PDL=True), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
+          ROUND_P=True, WRITE_OUT=True, PDL=True, PREFETCH=True), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
     ("tree attention, 8B shape, decode, split keys merged in the kernel", tree_attention._tree_attn_fwd, ATTENTION,
      dict(G=4, G_P2=4, TOK=1, BLOCK_M=16, BLOCK_N=64, T_P2=2, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
-          ROUND_P=True, WRITE_OUT=False, PDL=True), dict(num_warps=2, num_stages=3, enable_fp_fusion=False)),
+          ROUND_P=True, WRITE_OUT=False, PDL=True, PREFETCH=True), dict(num_warps=2, num_stages=3, enable_fp_fusion=False)),
     ("tree attention, 8B shape, c8 verify, 4 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
      dict(G=4, G_P2=4, TOK=4, BLOCK_M=16, BLOCK_N=64, T_P2=16, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
-          ROUND_P=True, WRITE_OUT=True, PDL=True), dict(num_warps=2, num_stages=2, enable_fp_fusion=False)),
+          ROUND_P=True, WRITE_OUT=True, PDL=True, PREFETCH=False), dict(num_warps=2, num_stages=2, enable_fp_fusion=False)),
     ("rmsnorm with residual", fused._rmsnorm_kernel, dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, y_ptr=BF16,
                                                           h_ptr=BF16, eps="fp32"),
      dict(HAS_RES=True, BLOCK=4096, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
@@ -116,3 +116,8 @@ def test_kernel_compiles_for_the_h200(name, kernel, types, constexprs, options):
                               target=H200, options=options)
     assert compiled.asm.get("cubin"), f"{name}: no cubin"
     assert compiled.metadata.shared <= HOPPER_SHARED, f"{name}: {compiled.metadata.shared} bytes of shared memory"
+    if constexprs.get("PDL") and constexprs.get("PREFETCH"):  # the L2 prefetch overlaps the kernel before: no later
+        ptx = compiled.asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
+        assert wait > 0 and "cp.async.bulk.prefetch" in ptx[:wait], f"{name}: no prefetch before the PDL wait"
+        assert "cp.async.bulk.prefetch" not in ptx[wait:], f"{name}: a prefetch after the PDL wait"

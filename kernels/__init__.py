@@ -87,8 +87,22 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(addr, nbytes):
+        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16; 0 issues nothing) at each 16-byte aligned
+        address in `addr`: a hint, legal before pdl_wait (L2 is where the kernel before it writes)."""
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; }"
+                                  "\n\tmov.u32 $0, 0;", "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 else:
-    pdl_wait = None
+    pdl_wait = prefetch_l2 = None
+
+
+def bulk_prefetch_ok(t, row_stride: int, row_len: int) -> bool:
+    """Whether prefetch_l2 can take rows of `row_len` elements `row_stride` apart from t's data: 16-byte aligned
+    and a multiple of 16 bytes long."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and (row_stride * size) % 16 == 0 and (row_len * size) % 16 == 0
 
 
 def next_pow2(n: int) -> int:

@@ -45,7 +45,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import env_switch, next_pow2, pdl_launch, pdl_options, pdl_wait, tl, triton, triton_disabled
+from kernels import (bulk_prefetch_ok, env_switch, next_pow2, pdl_launch, pdl_options, pdl_wait, prefetch_l2, tl,
+                     triton, triton_disabled)
 from kernels.fused import _out_rows, _round, _soft_rne, rmsnorm_reference, silu_mul_reference
 
 __all__ = ["skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "skinny_config",
@@ -132,12 +133,6 @@ if triton is not None:
         return h
 
     @triton.jit
-    def _prefetch_l2(rows, nbytes):
-        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) at each 16-byte aligned address in `rows`."""
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [rows, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _skinny_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K, eps,
                        s_xm, s_rm, s_wn, s_ym, s_hm,
                        NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -154,9 +149,9 @@ if triton is not None:
         if PREFETCH:  # the program's weight rows (read-only) into L2 while the kernel before it still runs
             w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * s_wn
             nbytes = tl.full([BLOCK_N], 0, tl.int32) + K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            _prefetch_l2(w_rows, nbytes)
+            prefetch_l2(w_rows, nbytes)
             if GLU:
-                _prefetch_l2(w_rows + N * s_wn, nbytes)
+                prefetch_l2(w_rows + N * s_wn, nbytes)
         pdl_wait(PDL)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * s_xm
         r_rows = res_ptr + rows.to(tl.int64)[:, None] * s_rm
@@ -205,10 +200,8 @@ def _prefetch_rows(weight: torch.Tensor) -> bool:
     """Whether the kernel prefetches its weight rows into L2 before waiting on the kernel before it (PDL):
     rows that the bulk prefetch can take (16-byte aligned, a multiple of 16 bytes long). ENGINE_SKINNY_PREFETCH=0
     turns it off (A/B runs)."""
-    row_bytes = weight.shape[1] * weight.element_size()
-    stride_bytes = weight.stride(0) * weight.element_size()
-    aligned = weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0 and stride_bytes % 16 == 0
-    return aligned and env_switch("ENGINE_SKINNY_PREFETCH") is not False
+    return (bulk_prefetch_ok(weight, weight.stride(0), weight.shape[1])
+            and env_switch("ENGINE_SKINNY_PREFETCH") is not False)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

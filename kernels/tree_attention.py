@@ -55,7 +55,9 @@ kernel after it, and the result does not depend on which split finished last. A 
 writes `out` directly too: merging a single partial with neutral ones gives the same bits, so decode (one active
 split) and verify (maybe more, all but one neutral for that token) agree. The counters are shared by the calls on
 a device (`_arrival_counters`): calls on one stream run one after another. FP contraction is
-off: every operation rounds as written. The block body is written inline rather than as a @triton.jit helper:
+off: every operation rounds as written. Launched with PDL, a program prefetches its split's committed K/V rows
+into L2 before its wait (`start` read as a hint there and again after it; ENGINE_ATTN_PREFETCH=0 turns it off): the
+rows from HBM arrive while the kernel before it stores the new ones. The block body is written inline rather than as a @triton.jit helper:
 under TRITON_INTERPRET=1 every device-function call re-patches triton.language, which made the CPU tests several
 times slower.
 """
@@ -66,7 +68,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import next_pow2, pdl_launch, pdl_options, pdl_wait, row_values, tl, triton, triton_disabled
+from kernels import (bulk_prefetch_ok, env_switch, next_pow2, pdl_launch, pdl_options, pdl_wait, prefetch_l2,
+                     row_values, tl, triton, triton_disabled)
 
 BLOCK_N = 64        # keys per inner-loop block
 SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)
@@ -131,16 +134,27 @@ if triton is not None:
                        BLOCK_N: tl.constexpr, T_P2: tl.constexpr,
                        SPLIT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                        FP32_DOT: tl.constexpr, ROUND_P: tl.constexpr, WRITE_OUT: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PDL: tl.constexpr, PREFETCH: tl.constexpr):
         """Program (b * KVH + kv head, TOK tokens, key split): online softmax over each token's keys in logical
         order; the committed prefix's blocks are shared by the program's tokens. With several splits, the last
         split of a token group to finish merges the group's partials (count_ptr: one arrival counter per group)."""
-        pdl_wait(PDL)
         pid_bk = tl.program_id(0)
         t0 = tl.program_id(1) * TOK
         pid_s = tl.program_id(2)
         b = (pid_bk // KVH).to(tl.int64)
         kvh = (pid_bk % KVH).to(tl.int64)
+        k_base = k_ptr + b * stride_kb + kvh * stride_kh
+        v_base = v_ptr + b * stride_vb + kvh * stride_vh
+        if PREFETCH:  # the split's committed K/V rows into L2 while the kernel before it (the new rows' store) runs
+            hint = tl.load(start_ptr + b * stride_start, cache_modifier=".cg").to(tl.int32)  # a hint: read again
+            first = pid_s * SPLIT + tl.arange(0, SPLIT // BLOCK_N) * BLOCK_N  # each block's first row
+            n = tl.maximum(tl.minimum(tl.minimum(hint, CAP) - first, BLOCK_N), 0)
+            elt: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
+            k_bytes = tl.where(n > 0, (n - 1) * stride_kn + D, 0) * elt  # n rows, multiples of 16 bytes (host)
+            v_bytes = tl.where(n > 0, (n - 1) * stride_vn + D, 0) * elt
+            prefetch_l2(k_base + first.to(tl.int64) * stride_kn, k_bytes.to(tl.int32))
+            prefetch_l2(v_base + first.to(tl.int64) * stride_vn, v_bytes.to(tl.int32))
+        pdl_wait(PDL)
 
         start = tl.load(start_ptr + b * stride_start).to(tl.int32)  # on the device: graph replays may change it
 
@@ -168,9 +182,6 @@ if triton is not None:
         if not WRITE_OUT:
             if lo >= bound:
                 return
-
-        k_base = k_ptr + b * stride_kb + kvh * stride_kh
-        v_base = v_ptr + b * stride_vb + kvh * stride_vh
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum
@@ -422,6 +433,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         pl = torch.empty_like(pm)
         count = _arrival_counters(B * KVH * triton.cdiv(T, tok), q.device)
     pdl = pdl_launch(q)
+    prefetch = (pdl and env_switch("ENGINE_ATTN_PREFETCH") is not False
+                and bulk_prefetch_ok(k_cache, k_cache.stride(2), D) and bulk_prefetch_ok(v_cache, v_cache.stride(2), D))
     _tree_attn_fwd[(B * KVH, triton.cdiv(T, tok), num_splits)](
         q, k_cache, v_cache, start_t, nm, rows, out, pacc, pm, pl, count,
         B, T, CAP, H, KVH, qk_scale,
@@ -433,7 +446,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out.stride(0), out.stride(1), out.stride(2),
         G=G, G_P2=g_p2, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split, D=D,
         D_P2=d_p2,
-        FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, PDL=pdl, num_warps=num_warps,
+        FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, PDL=pdl, PREFETCH=prefetch,
+        num_warps=num_warps,
         num_stages=num_stages, enable_fp_fusion=False, **pdl_options(pdl))
     return out
 
