@@ -51,13 +51,14 @@ def skinny_constexprs(N: int, K: int) -> dict:
 # "divisible" names the arguments compiled as multiples of 16, as Triton specializes them at a launch)
 CASES = [
     ("tree attention, 27B shape, 65 rows, 2 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
-     dict(G=6, G_P2=8, TOK=2, BLOCK_M=16, BLOCK_N=64, T_P2=128, SPLIT=512, D=256, D_P2=256, FP32_DOT=False,
+     dict(G=6, G_P2=8, TOK=2, BLOCK_M=16, BLOCK_N=64, T_P2=128, SPLIT=512, SPLIT_BLOCKS_P2=8, D=256, D_P2=256, FP32_DOT=False,
           ROUND_P=True, WRITE_OUT=True, PDL=True, PREFETCH=True, HOIST=True), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
-    ("tree attention, 8B shape, decode, split keys merged in the kernel", tree_attention._tree_attn_fwd, ATTENTION,
-     dict(G=4, G_P2=4, TOK=1, BLOCK_M=16, BLOCK_N=64, T_P2=2, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
+    ("tree attention, 8B shape, decode, split keys merged in the kernel (5 blocks a split)",
+     tree_attention._tree_attn_fwd, ATTENTION,
+     dict(G=4, G_P2=4, TOK=1, BLOCK_M=16, BLOCK_N=64, T_P2=2, SPLIT=320, SPLIT_BLOCKS_P2=8, D=128, D_P2=128, FP32_DOT=False,
           ROUND_P=True, WRITE_OUT=False, PDL=True, PREFETCH=True, HOIST=True), dict(num_warps=2, num_stages=3, enable_fp_fusion=False)),
     ("tree attention, 8B shape, c8 verify, 4 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
-     dict(G=4, G_P2=4, TOK=4, BLOCK_M=16, BLOCK_N=64, T_P2=16, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
+     dict(G=4, G_P2=4, TOK=4, BLOCK_M=16, BLOCK_N=64, T_P2=16, SPLIT=512, SPLIT_BLOCKS_P2=8, D=128, D_P2=128, FP32_DOT=False,
           ROUND_P=True, WRITE_OUT=True, PDL=True, PREFETCH=False, HOIST=True), dict(num_warps=2, num_stages=2, enable_fp_fusion=False)),
     ("rmsnorm with residual", fused._rmsnorm_kernel, dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, y_ptr=BF16,
                                                           h_ptr=BF16, eps="fp32"),

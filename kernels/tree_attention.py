@@ -134,7 +134,7 @@ if triton is not None:
                        stride_ob, stride_oh, stride_ot,
                        G: tl.constexpr, G_P2: tl.constexpr, TOK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, T_P2: tl.constexpr,
-                       SPLIT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+                       SPLIT: tl.constexpr, SPLIT_BLOCKS_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                        FP32_DOT: tl.constexpr, ROUND_P: tl.constexpr, WRITE_OUT: tl.constexpr,
                        PDL: tl.constexpr, PREFETCH: tl.constexpr, HOIST: tl.constexpr):
         """Program (b * KVH + kv head, TOK tokens, key split): online softmax over each token's keys in logical
@@ -149,8 +149,9 @@ if triton is not None:
         v_base = v_ptr + b * stride_vb + kvh * stride_vh
         if PREFETCH:  # the split's committed K/V rows into L2 while the kernel before it (the new rows' store) runs
             hint = tl.load(start_ptr + b * stride_start, cache_modifier=".cg").to(tl.int32)  # a hint: read again
-            first = pid_s * SPLIT + tl.arange(0, SPLIT // BLOCK_N) * BLOCK_N  # each block's first row
-            n = tl.maximum(tl.minimum(tl.minimum(hint, CAP) - first, BLOCK_N), 0)
+            blk = tl.arange(0, SPLIT_BLOCKS_P2)  # the split's blocks (padded to a power of two: tl.arange)
+            first = pid_s * SPLIT + blk * BLOCK_N  # each block's first row
+            n = tl.where(blk < SPLIT // BLOCK_N, tl.maximum(tl.minimum(tl.minimum(hint, CAP) - first, BLOCK_N), 0), 0)
             elt: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
             k_bytes = tl.where(n > 0, (n - 1) * stride_kn + D, 0) * elt  # n rows, multiples of 16 bytes (host)
             v_bytes = tl.where(n > 0, (n - 1) * stride_vn + D, 0) * elt
@@ -467,7 +468,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         start_t.stride(0) if start_t.dim() else 0, nm.stride(0) if nm.dim() == 3 else 0, nm.stride(-2), nm.stride(-1),
         rows.stride(0) if rows.dim() == 3 else 0, rows.stride(-2),
         out.stride(0), out.stride(1), out.stride(2),
-        G=G, G_P2=g_p2, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split, D=D,
+        G=G, G_P2=g_p2, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split,
+        SPLIT_BLOCKS_P2=next_pow2(split // block_n), D=D,
         D_P2=d_p2,
         FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, PDL=pdl, PREFETCH=prefetch, HOIST=hoist,
         num_warps=num_warps,
