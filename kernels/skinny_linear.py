@@ -26,6 +26,10 @@ row's operations are therefore the same whether it runs alone (decode) or among 
 rows contributing nothing: verify reproduces decode bit for bit. cuBLAS is batch-invariant too (without a split-K
 workspace, engine/__init__.py) but cannot take a prologue.
 
+`skinny_qkv_rope` is the qkv projection with kernels.fused's qk_norm_rope_store (no per-head norms, RoPE on the whole
+head) in its epilogue: a program's 16 columns are 8 rotary pairs of one head, so the grid is the plain kernel's; its
+outputs (q, and k, v at the cache slots) equal those of the two kernels bit for bit.
+
 Three entry points, as in kernels.fused: `skinny_linear_reference` (plain PyTorch: kernels.fused's references and
 F.linear), `skinny_linear_triton` (the kernel; CPU tensors under TRITON_INTERPRET=1), `skinny_linear` (the kernel for
 CUDA tensors in float16/bfloat16, else the reference; ENGINE_DISABLE_TRITON=1 forces the reference).
