@@ -28,7 +28,10 @@ workspace, engine/__init__.py) but cannot take a prologue.
 
 `skinny_qkv_rope` is the qkv projection with kernels.fused's qk_norm_rope_store (no per-head norms, RoPE on the whole
 head) in its epilogue: a program's 16 columns are 8 rotary pairs of one head, so the grid is the plain kernel's; its
-outputs (q, and k, v at the cache slots) equal those of the two kernels bit for bit.
+outputs (q, and k, v at the cache slots) equal those of the two kernels bit for bit. Both kernels compile without
+FMA contraction, as the RoPE kernel does: with it, LLVM fuses a rounded RoPE product into the add after it
+(fma.rn.bf16, one rounding fewer); the norm's sum of squares is fma.rn.f32 with contraction, so the plain kernel
+compiles as the fused one does.
 
 Three entry points, as in kernels.fused: `skinny_linear_reference` (plain PyTorch: kernels.fused's references and
 F.linear), `skinny_linear_triton` (the kernel; CPU tensors under TRITON_INTERPRET=1), `skinny_linear` (the kernel for
@@ -324,7 +327,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             NORM=norm is not None, HAS_RES=residual is not None, GLU=glu, HAS_BIAS=bias is not None,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=_soft_rne(x),
             SOFT_RNE_OUT=_soft_rne(y), K_CHUNKS=k_chunks, UNROLL=2 if k_chunks > 4 else 1, PDL=pdl, PREFETCH=prefetch,
-            num_warps=warps, **pdl_options(pdl))
+            num_warps=warps, enable_fp_fusion=False, **pdl_options(pdl))  # no contraction: the module docstring
     return y_out, h_out
 
 
@@ -389,7 +392,7 @@ def skinny_qkv_rope_triton(x, weight, bias, norm, eps, residual, num_heads, num_
             D=D, NORM=norm is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
             BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=_soft_rne(x), K_CHUNKS=k_chunks,
             UNROLL=2 if k_chunks > 4 else 1, PDL=pdl, PREFETCH=pdl and _prefetch_rows(weight), num_warps=warps,
-            **pdl_options(pdl))
+            enable_fp_fusion=False, **pdl_options(pdl))
     return q, h
 
 
