@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backend = pytest.importorskip("triton.backends.compiler")
 
-from kernels import all_reduce, fused, gated_delta, skinny_linear, tree_attention, tree_ops  # noqa: E402
+from kernels import all_reduce, argmax, fused, gated_delta, skinny_linear, tree_attention, tree_ops  # noqa: E402
 
 H200 = backend.GPUTarget("cuda", 90, 32)
 HOPPER_SHARED = 227 * 1024  # shared memory a block may take on an H100 or H200
@@ -110,6 +110,10 @@ CASES = [
           paths=I32, lengths=I32, starts=I32, scale="fp32"),
      dict(KH=16, HV=48, DK=128, DV=128, DKP=128, BV=gated_delta.TILE_COLUMNS),
      dict(num_warps=gated_delta.WARPS, enable_fp_fusion=gated_delta.FP_FUSION)),
+    ("argmax, SmolLM2's float32 logits (49,152: 12 chunks merged in the kernel)", argmax._argmax_kernel,
+     dict(x_ptr=F32, part_ptr=I64, count_ptr=I32, out_ptr=I64),
+     dict(CHUNK=4096, CP=16, ONE_CHUNK=False, PDL=True),
+     dict(num_warps=8, divisible=("x_ptr", "stride_row", "V", "part_ptr", "count_ptr", "out_ptr"))),
 ]
 
 

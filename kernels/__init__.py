@@ -8,6 +8,8 @@
 - skinny_linear: a projection with its RMSNorm (and residual add) in the prologue and SiLU(gate) * up in the
   epilogue, batch-invariant, for launch-bound models (SmolLM2-135M's width).
 - cross_entropy: per-row cross-entropy and argmax over the vocabulary, with its gradient (draft training's loss).
+- argmax: the greedy token of each logits row in one launch, the vocabulary split over programs (the decode loop's
+  torch.argmax(-1), which reads a row with one thread block).
 
 Each public function dispatches to its Triton kernel for CUDA tensors and to the reference otherwise;
 ENGINE_DISABLE_TRITON=1 forces the references everywhere.
@@ -103,6 +105,26 @@ def bulk_prefetch_ok(t, row_stride: int, row_len: int) -> bool:
     and a multiple of 16 bytes long."""
     size = t.element_size()
     return t.data_ptr() % 16 == 0 and (row_stride * size) % 16 == 0 and (row_len * size) % 16 == 0
+
+
+_COUNTERS: dict = {}  # device -> the arrival counters of the kernels that merge their programs' partials
+_RETIRED: list = []   # outgrown counters, kept alive: a captured graph may still use them
+
+
+def arrival_counters(n: int, device):
+    """At least n zeroed int32 arrival counters on `device`, shared by every kernel whose last program to arrive
+    merges the others' partials (tree_attention's key splits, argmax's vocabulary chunks): each call's last
+    arriver resets its counter to 0, and calls on one stream run one after another (a kernel launched with PDL
+    counts only after the kernel before it has finished). Allocate before a graph capture (the engine's eager
+    warm-up round does): zeros allocated during one would be filled only when the graph replays."""
+    import torch
+    key = torch.device(device)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < n:
+        if have is not None:
+            _RETIRED.append(have)
+        have = _COUNTERS[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return have
 
 
 def next_pow2(n: int) -> int:

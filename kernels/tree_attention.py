@@ -54,7 +54,7 @@ of -inf is never subtracted from itself, so no NaN), writes `out` and resets the
 kernel after it, and the result does not depend on which split finished last. A group whose keys fit one split
 writes `out` directly too: merging a single partial with neutral ones gives the same bits, so decode (one active
 split) and verify (maybe more, all but one neutral for that token) agree. The counters are shared by the calls on
-a device (`_arrival_counters`): calls on one stream run one after another. FP contraction is
+a device (`kernels.arrival_counters`): calls on one stream run one after another. FP contraction is
 off: every operation rounds as written. Launched with PDL, a program prefetches its split's committed K/V rows
 into L2 before its wait (`start` read as a hint there and again after it; ENGINE_ATTN_PREFETCH=0 turns it off): the
 rows from HBM arrive while the kernel before it stores the new ones. Each token's key count and the row list of
@@ -70,8 +70,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import (bulk_prefetch_ok, env_switch, next_pow2, pdl_launch, pdl_options, pdl_wait, prefetch_l2,
-                     row_values, tl, triton, triton_disabled)
+from kernels import (arrival_counters, bulk_prefetch_ok, env_switch, next_pow2, pdl_launch, pdl_options, pdl_wait,
+                     prefetch_l2, row_values, tl, triton, triton_disabled)
 
 BLOCK_N = 64        # keys per inner-loop block
 SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)
@@ -345,23 +345,6 @@ def _start_tensor(start, B: int, device) -> torch.Tensor:
     return torch.full((), int(start), dtype=torch.int64, device=device)  # a fill kernel, capturable
 
 
-_COUNTERS: dict = {}  # device -> the arrival counters of the split merge
-_RETIRED: list = []   # outgrown counters, kept alive: a captured graph may still use them
-
-
-def _arrival_counters(n: int, device) -> torch.Tensor:
-    """At least n zeroed int32 arrival counters on `device` for the split merge, shared by every call on the
-    device: each call's last split resets its group's counter to 0, and calls on one stream run one after another
-    (a kernel launched with PDL counts only after the kernel before it has finished)."""
-    key = torch.device(device)
-    have = _COUNTERS.get(key)
-    if have is None or have.numel() < n:
-        if have is not None:
-            _RETIRED.append(have)
-        have = _COUNTERS[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return have
-
-
 def visible_rows(node_mask: torch.Tensor) -> torch.Tensor:
     """[..., T, T] int32 from a [..., T, T] mask: row t lists the new rows that row t sees, in index order, then
     padding (T). On the device, no host read; computed once per forward pass and shared by its attention layers."""
@@ -454,7 +437,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         pacc = torch.empty(num_splits, B, H, T, D, dtype=torch.float32, device=q.device)
         pm = torch.empty(num_splits, B, H, T, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
-        count = _arrival_counters(B * KVH * triton.cdiv(T, tok), q.device)
+        count = arrival_counters(B * KVH * triton.cdiv(T, tok), q.device)
     pdl = pdl_launch(q)
     prefetch = (pdl and env_switch("ENGINE_ATTN_PREFETCH") is not False
                 and bulk_prefetch_ok(k_cache, k_cache.stride(2), D) and bulk_prefetch_ok(v_cache, v_cache.stride(2), D))
