@@ -173,7 +173,7 @@ def test_env_switch_is_checked(monkeypatch):
     monkeypatch.setenv("ENGINE_SKINNY_LINEAR", "auto")
     # read at each launch, checked at load time
     for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH", "ENGINE_ATTN_PREFETCH", "ENGINE_ATTN_HOIST",
-                 "ENGINE_SKINNY_ROPE"):
+                 "ENGINE_SKINNY_ROPE", "ENGINE_TRITON_ARGMAX"):
         monkeypatch.setenv(name, "on")
         with pytest.raises(EngineError, match=name):
             fuse_projections([])

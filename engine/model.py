@@ -298,7 +298,8 @@ class Block(nn.Module):
 def fuse_projections(blocks) -> None:
     """One GEMM for q, k, v and one for gate, up; kernels.skinny_linear where the model is launch-bound."""
     # read at each kernel launch: a bad value fails here, once
-    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH", "ENGINE_ATTN_PREFETCH", "ENGINE_ATTN_HOIST"):
+    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH", "ENGINE_ATTN_PREFETCH", "ENGINE_ATTN_HOIST",
+                 "ENGINE_TRITON_ARGMAX"):
         env_switch(name)
     forced = skinny_forced()
     rope = env_switch("ENGINE_SKINNY_ROPE") is not False  # 0: RoPE and the cache store in their own kernel (A/B)

@@ -15,13 +15,14 @@ counting as larger than everything (the first NaN wins), -0.0 equal to +0.0, a r
   together, whichever program finished last. No host synchronisation; the scratch and the grid depend on shapes
   only, so the call can be captured in a CUDA graph (allocate the counters before, as the engine's eager warm-up
   round does).
-- `argmax`: the kernel for CUDA tensors, else the reference (ENGINE_DISABLE_TRITON=1 forces it); any leading dims.
+- `argmax`: the kernel for CUDA tensors, else the reference (ENGINE_DISABLE_TRITON=1 forces it, and
+  ENGINE_TRITON_ARGMAX=0 for this kernel alone: A/B runs); any leading dims.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels import arrival_counters, pdl_launch, pdl_options, pdl_wait, tl, triton, triton_disabled
+from kernels import arrival_counters, env_switch, pdl_launch, pdl_options, pdl_wait, tl, triton, triton_disabled
 
 __all__ = ["argmax", "argmax_reference", "argmax_triton"]
 
@@ -117,6 +118,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) for float logits of any leading shape ([V] -> 0-d, [R, V] -> [R], [B, T, V] -> [B, T]): the
     kernel on CUDA, else torch."""
     if (triton is not None and x.is_cuda and x.dtype in DTYPES and x.dim() >= 1 and x.shape[-1] > 0
-            and not triton_disabled()):
+            and not triton_disabled() and env_switch("ENGINE_TRITON_ARGMAX") is not False):
         return argmax_triton(x.reshape(-1, x.shape[-1])).view(x.shape[:-1])
     return x.argmax(-1)
