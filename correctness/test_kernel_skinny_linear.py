@@ -16,7 +16,8 @@ import torch
 
 from correctness.kernel_harness import (assert_close_ulps, assert_interpreted_ok, programs_in_reverse,
                                         run_checks_main)
-from kernels.skinny_linear import skinny_linear, skinny_linear_applies, skinny_linear_reference, skinny_linear_triton
+from kernels.skinny_linear import (rope_fusable, skinny_linear, skinny_linear_applies, skinny_linear_reference,
+                                   skinny_linear_triton, skinny_qkv_rope_reference, skinny_qkv_rope_triton)
 
 EPS = 1e-5
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -57,6 +58,45 @@ def check(gen, M, N, K, kind, dtype, device="cpu", bias=False, reverse=False) ->
             assert torch.equal(skinny_linear_triton(x, **kw)[0], y), f"{context}: depends on the program order"
 
 
+def check_rope(gen, B, T, H, KVH, D, K, device="cpu", per_row_slots=False, bias=False, residual=True,
+               reverse=False) -> None:
+    """skinny_qkv_rope against skinny_linear + qk_norm_rope_store (the kernels it replaces): q, the caches and h
+    equal bit for bit (caches NaN-poisoned: a row it fails to store, or stores elsewhere, shows); against the
+    reference within the tolerance."""
+    from kernels.fused import qk_norm_rope_store_triton
+
+    context = f"B={B} T={T} H={H} KVH={KVH} D={D} K={K}{' bias' if bias else ''}"
+    dt = torch.bfloat16
+    r = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dt)  # noqa
+    N = (H + 2 * KVH) * D
+    x, w, norm = r(B, T, K, scale=2.0), r(N, K, scale=K ** -0.5), r(K)
+    b, res = (r(N) if bias else None), (r(B, T, K) if residual else None)
+    pos = torch.randint(0, 200, (B, T), generator=gen).float()
+    angles = pos[..., None] * 10000.0 ** (-torch.arange(0, D, 2) / D)
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().to(device, dt), emb.sin().to(device, dt)
+    cap = 3 * T + 8
+    slots = (torch.stack([torch.randperm(cap, generator=gen)[:T] for _ in range(B)]) if per_row_slots
+             else torch.randperm(cap, generator=gen)[:T]).to(device)
+    caches = [[torch.full((B, KVH, cap, D), float("nan"), dtype=dt, device=device) for _ in range(2)]
+              for _ in range(3)]
+    q, h = skinny_qkv_rope_triton(x, w, b, norm, EPS, res, H, KVH, D, cos, sin, *caches[0], slots)
+    qkv, h2 = skinny_linear_triton(x, w, b, norm=norm, eps=EPS, residual=res)
+    q2 = qk_norm_rope_store_triton(qkv, H, KVH, D, None, None, EPS, cos, sin, *caches[1], slots)
+    for name, got, want in (("q", q, q2), ("k cache", *[c[0] for c in caches[:2]]),
+                            ("v cache", *[c[1] for c in caches[:2]])):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), f"{context}: {name} differs from the unfused kernels"
+    assert (h is None) == (res is None) and (h is None or torch.equal(h, h2)), f"{context}: h differs"
+    want_q, _ = skinny_qkv_rope_reference(x, w, b, norm, EPS, res, H, KVH, D, cos, sin, *caches[2], slots)
+    assert_close(q, want_q, f"{context} q")
+    assert_close(caches[0][0].nan_to_num(0.0), caches[2][0].nan_to_num(0.0), f"{context} k cache")
+    if reverse:
+        with programs_in_reverse():
+            again = [torch.full_like(c, float("nan")) for c in caches[0]]
+            q3, _ = skinny_qkv_rope_triton(x, w, b, norm, EPS, res, H, KVH, D, cos, sin, *again, slots)
+            assert torch.equal(q3, q), f"{context}: depends on the program order"
+
+
 # ------------------------------------------------------------------------------------------ interpreter (CPU)
 
 def _interp_shapes() -> str:
@@ -70,7 +110,16 @@ def _interp_shapes() -> str:
     return f"{n} cases"
 
 
-CHECKS = {"shapes": _interp_shapes}
+def _interp_rope() -> str:
+    gen = torch.Generator().manual_seed(4)
+    cases = ((1, 1, 3, 1, 64, 72, False, False, True), (2, 5, 2, 1, 32, 40, True, True, False),
+             (1, 17, 4, 2, 16, 48, False, True, True))
+    for B, T, H, KVH, D, K, per_row, bias, residual in cases:
+        check_rope(gen, B, T, H, KVH, D, K, per_row_slots=per_row, bias=bias, residual=residual, reverse=B * T > 16)
+    return f"{len(cases)} cases"
+
+
+CHECKS = {"shapes": _interp_shapes, "rope": _interp_rope}
 
 
 @pytest.mark.cpu
@@ -122,7 +171,9 @@ def test_env_switch_is_checked(monkeypatch):
     with pytest.raises(EngineError, match="ENGINE_SKINNY_LINEAR"):
         skinny_forced()
     monkeypatch.setenv("ENGINE_SKINNY_LINEAR", "auto")
-    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH"):  # read at each launch, checked at load time
+    # read at each launch, checked at load time
+    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH", "ENGINE_ATTN_PREFETCH", "ENGINE_ATTN_HOIST",
+                 "ENGINE_SKINNY_ROPE", "ENGINE_TRITON_ARGMAX"):
         monkeypatch.setenv(name, "on")
         with pytest.raises(EngineError, match=name):
             fuse_projections([])
@@ -159,13 +210,24 @@ def test_programmatic_dependent_launch_device_rule(monkeypatch):
 
 
 @pytest.mark.cpu
-def test_model_wired_through_the_kernel_equals_the_unfused_model(tiny_checkpoints):
+def test_rope_fusion_rule():
+    w = torch.empty(15 * 64, 576)  # SmolLM2's qkv: 9 + 2 * 3 heads of 64
+    assert rope_fusable(w, 64, 64, qk_norm=False)
+    assert not rope_fusable(w, 64, 32, qk_norm=False)  # partial rotary
+    assert not rope_fusable(w, 64, 64, qk_norm=True)   # a per-head norm needs the whole head
+    assert not rope_fusable(torch.empty(15 * 24, 576), 24, 24, qk_norm=False)  # not 8 pairs a program
+    assert not rope_fusable(torch.empty(40 * 64, 576), 64, 64, qk_norm=False)  # 32-column blocks
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("name,rope", [("qwen3-gqa-untied-sharded", False), ("qwen2-bias", True)])
+def test_model_wired_through_the_kernel_equals_the_unfused_model(tiny_checkpoints, name, rope):
     """A float32 model on the CPU with its layers switched to the skinny path (the reference does what the kernel
-    does) gives the same logits, bit for bit, and the same decoding: the residual stream, the norms' fusion and the
-    SiLU epilogue are wired as in the unfused layers."""
+    does) gives the same logits, bit for bit, and the same decoding: the residual stream, the norms' fusion, the
+    SiLU epilogue and (rope) the qkv projection's RoPE and cache store are wired as in the unfused layers."""
     import engine
 
-    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    path, _ = tiny_checkpoints[name]
     target = engine.load_target(str(path), "cpu", torch.float32)
     model = target.model
     prompt = [3, 5, 9, 2, 7, 3, 11]
@@ -180,13 +242,14 @@ def test_model_wired_through_the_kernel_equals_the_unfused_model(tiny_checkpoint
     oracle = engine.OracleDrafter(prompt + ar, model.cfg.vocab_size, 8, miss_rate=0.25, seed=0)
     for block in model.layers:
         block.skinny = block.self_attn.skinny = block.mlp.skinny = True
+        block.self_attn.rope_fused = rope
     try:
         assert torch.equal(logits(), plain)
         result = engine.Decoder(model, oracle, engine.DecodeSettings("ddtree", 8)).generate(prompt, 16)
         assert result.tokens == ar and result.tau > 1.5
     finally:
         for block in model.layers:
-            block.skinny = block.self_attn.skinny = block.mlp.skinny = False
+            block.skinny = block.self_attn.skinny = block.mlp.skinny = block.self_attn.rope_fused = False
 
 
 @pytest.mark.cpu
@@ -227,6 +290,14 @@ def test_gpu_smollm2_shapes(N, K, kind):
     gen = torch.Generator().manual_seed(N + K)
     for M in (1, 16, 65, 128):
         check(gen, M, N, K, kind, torch.bfloat16, device="cuda", bias=kind == "plain")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_rope_epilogue_equals_the_unfused_kernels():
+    gen = torch.Generator().manual_seed(12)
+    for B, T in ((1, 1), (1, 16), (1, 65), (4, 16)):
+        check_rope(gen, B, T, 9, 3, 64, 576, device="cuda", per_row_slots=B > 1, residual=T > 1)
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from correctness.kernel_harness import assert_interpreted_ok, programs_in_reverse, run_checks_main
+import kernels
 from kernels import tree_attention as ta
 from kernels.tree_attention import tokens_per_tile, tree_attention, tree_attention_reference, tree_attention_triton
 
@@ -286,11 +287,11 @@ def _interpreter_main(group: str) -> int:
             r = check_case(case)
         except Exception as e:  # noqa: BLE001 - reported, then the test fails
             r = {"ok": False, "errors": [f"{type(e).__name__}: {e}"], "max_excess": None}
-        left = sum(int(c.count_nonzero()) for c in ta._COUNTERS.values())
+        left = sum(int(c.count_nonzero()) for c in kernels._COUNTERS.values())
         if left:  # each call's merging split resets its group's counter: a stuck one would end a later merge early
             r["ok"] = False
             r["errors"].append(f"{left} arrival counters left non-zero")
-            for c in ta._COUNTERS.values():
+            for c in kernels._COUNTERS.values():
                 c.zero_()
         r["seconds"] = round(time.perf_counter() - t0, 3)
         results[case.name] = r

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backend = pytest.importorskip("triton.backends.compiler")
 
-from kernels import all_reduce, fused, gated_delta, skinny_linear, tree_attention, tree_ops  # noqa: E402
+from kernels import all_reduce, argmax, fused, gated_delta, skinny_linear, tree_attention, tree_ops  # noqa: E402
 
 H200 = backend.GPUTarget("cuda", 90, 32)
 HOPPER_SHARED = 227 * 1024  # shared memory a block may take on an H100 or H200
@@ -51,14 +51,15 @@ def skinny_constexprs(N: int, K: int) -> dict:
 # "divisible" names the arguments compiled as multiples of 16, as Triton specializes them at a launch)
 CASES = [
     ("tree attention, 27B shape, 65 rows, 2 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
-     dict(G=6, G_P2=8, TOK=2, BLOCK_M=16, BLOCK_N=64, T_P2=128, SPLIT=512, D=256, D_P2=256, FP32_DOT=False,
-          ROUND_P=True, WRITE_OUT=True, PDL=True), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
-    ("tree attention, 8B shape, decode, split keys merged in the kernel", tree_attention._tree_attn_fwd, ATTENTION,
-     dict(G=4, G_P2=4, TOK=1, BLOCK_M=16, BLOCK_N=64, T_P2=2, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
-          ROUND_P=True, WRITE_OUT=False, PDL=True), dict(num_warps=2, num_stages=3, enable_fp_fusion=False)),
+     dict(G=6, G_P2=8, TOK=2, BLOCK_M=16, BLOCK_N=64, T_P2=128, SPLIT=512, SPLIT_BLOCKS_P2=8, D=256, D_P2=256, FP32_DOT=False,
+          ROUND_P=True, WRITE_OUT=True, PDL=True, PREFETCH=True, HOIST=True), dict(num_warps=4, num_stages=2, enable_fp_fusion=False)),
+    ("tree attention, 8B shape, decode, split keys merged in the kernel (5 blocks a split)",
+     tree_attention._tree_attn_fwd, ATTENTION,
+     dict(G=4, G_P2=4, TOK=1, BLOCK_M=16, BLOCK_N=64, T_P2=2, SPLIT=320, SPLIT_BLOCKS_P2=8, D=128, D_P2=128, FP32_DOT=False,
+          ROUND_P=True, WRITE_OUT=False, PDL=True, PREFETCH=True, HOIST=True), dict(num_warps=2, num_stages=3, enable_fp_fusion=False)),
     ("tree attention, 8B shape, c8 verify, 4 tokens a program", tree_attention._tree_attn_fwd, ATTENTION,
-     dict(G=4, G_P2=4, TOK=4, BLOCK_M=16, BLOCK_N=64, T_P2=16, SPLIT=512, D=128, D_P2=128, FP32_DOT=False,
-          ROUND_P=True, WRITE_OUT=True, PDL=True), dict(num_warps=2, num_stages=2, enable_fp_fusion=False)),
+     dict(G=4, G_P2=4, TOK=4, BLOCK_M=16, BLOCK_N=64, T_P2=16, SPLIT=512, SPLIT_BLOCKS_P2=8, D=128, D_P2=128, FP32_DOT=False,
+          ROUND_P=True, WRITE_OUT=True, PDL=True, PREFETCH=False, HOIST=True), dict(num_warps=2, num_stages=2, enable_fp_fusion=False)),
     ("rmsnorm with residual", fused._rmsnorm_kernel, dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, y_ptr=BF16,
                                                           h_ptr=BF16, eps="fp32"),
      dict(HAS_RES=True, BLOCK=4096, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
@@ -83,13 +84,21 @@ CASES = [
                                                                                  enable_fp_fusion=False)),
     ("skinny linear, norm + residual prologue (SmolLM2 qkv)", skinny_linear._skinny_kernel, SKINNY,
      dict(NORM=True, HAS_RES=True, GLU=False, HAS_BIAS=False, **skinny_constexprs(960, 576)),
-     dict(num_warps=4, divisible=ALIGNED_SKINNY)),
+     dict(num_warps=4, enable_fp_fusion=False, divisible=ALIGNED_SKINNY)),
     ("skinny linear, SiLU * up epilogue (SmolLM2 gate/up)", skinny_linear._skinny_kernel, SKINNY,
      dict(NORM=True, HAS_RES=True, GLU=True, HAS_BIAS=False, **skinny_constexprs(1536, 576)),
-     dict(num_warps=4, divisible=ALIGNED_SKINNY)),
+     dict(num_warps=4, enable_fp_fusion=False, divisible=ALIGNED_SKINNY)),
     ("skinny linear, plain with bias (SmolLM2 down)", skinny_linear._skinny_kernel, SKINNY,
      dict(NORM=False, HAS_RES=False, GLU=False, HAS_BIAS=True, **skinny_constexprs(576, 1536)),
-     dict(num_warps=2, divisible=ALIGNED_SKINNY)),
+     dict(num_warps=2, enable_fp_fusion=False, divisible=ALIGNED_SKINNY)),
+    ("skinny qkv with RoPE and the cache store (SmolLM2)", skinny_linear._skinny_rope_kernel,
+     dict({k: v for k, v in SKINNY.items() if k != "y_ptr"}, cos_ptr=BF16, sin_ptr=BF16, slots_ptr=I64, q_ptr=BF16,
+          kc_ptr=BF16, vc_ptr=BF16),
+     dict(D=64, NORM=True, HAS_RES=True, HAS_BIAS=False, BLOCK_M=skinny_linear.BLOCK_M,
+          BLOCK_K=skinny_linear.skinny_config(960, 576)[1], NUM_STAGES=3, SOFT_RNE=False, K_CHUNKS=3, UNROLL=1,
+          PDL=True, PREFETCH=True),
+     dict(num_warps=4, enable_fp_fusion=False,
+          divisible=tuple(n for n in ALIGNED_SKINNY if n not in ("y_ptr", "s_ym")))),
     ("fused all-reduce + RMSNorm, width 2, 8B hidden", all_reduce._all_reduce_rmsnorm_kernel,
      dict(bufs_ptr=I64, pads_ptr=I64, offset="i64", res_ptr=BF16, w_ptr=BF16, y_ptr=BF16, h_ptr=BF16, eps="fp32"),
      dict(WORLD=2, HAS_RES=True, BLOCK=4096, SOFT_RNE=False, ALIGNED=True), dict(num_warps=8)),
@@ -101,6 +110,10 @@ CASES = [
           paths=I32, lengths=I32, starts=I32, scale="fp32"),
      dict(KH=16, HV=48, DK=128, DV=128, DKP=128, BV=gated_delta.TILE_COLUMNS),
      dict(num_warps=gated_delta.WARPS, enable_fp_fusion=gated_delta.FP_FUSION)),
+    ("argmax, SmolLM2's float32 logits (49,152: 12 chunks merged in the kernel)", argmax._argmax_kernel,
+     dict(x_ptr=F32, part_ptr=I64, count_ptr=I32, out_ptr=I64),
+     dict(CHUNK=4096, CP=16, ONE_CHUNK=False, PDL=True),
+     dict(num_warps=8, divisible=("x_ptr", "stride_row", "V", "part_ptr", "count_ptr", "out_ptr"))),
 ]
 
 
@@ -116,3 +129,8 @@ def test_kernel_compiles_for_the_h200(name, kernel, types, constexprs, options):
                               target=H200, options=options)
     assert compiled.asm.get("cubin"), f"{name}: no cubin"
     assert compiled.metadata.shared <= HOPPER_SHARED, f"{name}: {compiled.metadata.shared} bytes of shared memory"
+    if constexprs.get("PDL") and constexprs.get("PREFETCH"):  # the L2 prefetch overlaps the kernel before: no later
+        ptx = compiled.asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
+        assert wait > 0 and "cp.async.bulk.prefetch" in ptx[:wait], f"{name}: no prefetch before the PDL wait"
+        assert "cp.async.bulk.prefetch" not in ptx[wait:], f"{name}: a prefetch after the PDL wait"

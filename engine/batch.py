@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
+from kernels.argmax import argmax
 from kernels.gated_delta import tree_schedule
 from kernels.topk import topk_logprobs
 from kernels.tree_ops import build_tree, walk_tree
@@ -159,7 +160,7 @@ class BatchDecoder:
             view.keep_prefix(T)  # a hybrid's recurrent state and conv window (hybrids admit one prompt at a time)
             n = torch.tensor(lengths, device=dev)
             view.start.copy_(n)
-            bonus = target.logits(hidden[torch.arange(count, device=dev), n - 1]).argmax(-1)   # [count]
+            bonus = argmax(target.logits(hidden[torch.arange(count, device=dev), n - 1]))      # [count]
             span = slice(first, first + count)
             batch.tokens[span, :T] = ids
             batch.tokens[span].scatter_(1, n[:, None], bonus[:, None])
@@ -300,7 +301,7 @@ class BatchDecoder:
         def tree():
             if s.method == "dflash":
                 chain = st.chain
-                st.tree = RoundTree(st.draft_logits.argmax(-1), chain.parents.expand(B, -1),
+                st.tree = RoundTree(argmax(st.draft_logits), chain.parents.expand(B, -1),
                                     chain.depths.expand(B, -1), chain.visible.expand(B, -1, -1),
                                     chain.n_nodes.expand(B))
             else:
@@ -324,7 +325,7 @@ class BatchDecoder:
                             for p, v in zip(st.tree.parents, st.tree.visible)]
             hidden, st.verify_features = target(st.verify_ids, positions, st.view, st.tree.visible,
                                                 self.feature_layers, schedule)
-            st.posterior = target.logits(hidden).argmax(-1)                               # [B, 1 + nodes]
+            st.posterior = argmax(target.logits(hidden))                                  # [B, 1 + nodes]
 
         def commit():
             t = st.tree

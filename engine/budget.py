@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import triton_disabled
+from kernels.argmax import argmax
 
 from .decode import draft_depth
 from .draft import DraftInput
@@ -68,7 +69,7 @@ def verify_ms(target, concurrency: int, rows: int, context: int) -> float:
     ids = torch.zeros(concurrency, rows, dtype=torch.long, device=dev)
     positions = (context + torch.arange(rows, device=dev)).expand(concurrency, -1)
     mask = torch.ones(rows, rows, dtype=torch.bool, device=dev).tril().expand(concurrency, -1, -1)
-    return _median_ms(lambda: target.logits(target(ids, positions, cache, mask)[0]).argmax(-1), dev)
+    return _median_ms(lambda: argmax(target.logits(target(ids, positions, cache, mask)[0])), dev)
 
 
 @torch.no_grad()

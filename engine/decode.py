@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kernels import triton_disabled
+from kernels.argmax import argmax
 from kernels.gated_delta import tree_schedule
 from kernels.topk import topk_logprobs
 from kernels.tree_attention import MAX_TRITON_T
@@ -279,7 +280,7 @@ class Decoder:
     def _stage_tree(self) -> None:
         r = self.round
         if self.settings.method == "dflash":
-            r.tree.tokens.copy_(r.draft_logits.argmax(-1))
+            r.tree.tokens.copy_(argmax(r.draft_logits))
             return
         k = min(self.settings.budget, self.settings.topk_cap, r.draft_logits.shape[-1])
         logp, ids = topk_logprobs(r.draft_logits, k)
@@ -297,7 +298,7 @@ class Decoder:
         hidden, r.verify_features = self.target(r.verify_ids[None], positions[None], s.cache, r.tree.visible,
                                                 self.feature_layers, schedule)
         r.verify_logits = self.target.logits(hidden[0])
-        r.posterior = r.verify_logits.argmax(-1)
+        r.posterior = argmax(r.verify_logits)
 
     def _stage_commit(self) -> None:
         s, r, block = self.seq, self.round, self.block_size
@@ -356,7 +357,7 @@ class Decoder:
         s.cache.keep_prefix(n_prompt)
         s.cache.start.fill_(n_prompt)
         logits = target.logits(hidden[0, -1:])
-        bonus = logits.argmax(-1)
+        bonus = argmax(logits)
         s.tokens[0, n_prompt] = bonus[0]
         out, accepted_lengths = [int(bonus)], []
         if record_margins:

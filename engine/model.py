@@ -16,7 +16,8 @@ from torch import nn
 
 from kernels.fused import qk_norm_rope_store, rmsnorm, silu_mul
 from kernels.gated_delta import TreeSchedule, chain_schedule
-from kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS, skinny_linear, skinny_linear_applies
+from kernels.skinny_linear import (MAX_ROWS as SKINNY_MAX_ROWS, rope_fusable, skinny_linear, skinny_linear_applies,
+                                   skinny_qkv_rope)
 from kernels.tree_attention import tree_attention, visible_rows
 
 from .cache import AttentionLayerCache, ModelCache
@@ -56,6 +57,15 @@ class RMSNorm(nn.Module):
         the gate/up projection."""
         y, h = skinny_linear(x, weight, bias, norm=self.weight, eps=self.eps, residual=residual, glu=glu)
         return y, x if h is None else h
+
+    def qkv_rope(self, x: torch.Tensor, residual: torch.Tensor | None, attn: "Attention", rows: "Rows",
+                 layer_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries, x + residual): `linear` into attn's qkv projection with RoPE and the k/v cache store in the
+        same kernel (kernels.skinny_linear.skinny_qkv_rope)."""
+        q, h = skinny_qkv_rope(x, attn.qkv_weight, attn.qkv_bias, self.weight, self.eps, residual, attn.num_heads,
+                               attn.num_kv_heads, attn.head_dim, rows.cos, rows.sin, layer_cache.k, layer_cache.v,
+                               rows.slots)
+        return q, x if h is None else h
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: bool) -> torch.Tensor:
@@ -130,6 +140,7 @@ class Attention(nn.Module):
         self.tp = None  # engine.parallel.TensorParallel once sharded: o_proj is row-parallel
         self.defer_reduce = False  # once sharded: return a Partial, all-reduced by the next norm
         self.skinny = False  # set by fuse_projections: kernels.skinny_linear for the projections
+        self.rope_fused = False  # set by fuse_projections: RoPE and the cache store in the skinny qkv GEMM
 
     def fuse(self) -> None:
         """One GEMM for q, k and v (and the output gate): the weights become views of one concatenated matrix. A
@@ -188,7 +199,11 @@ class Attention(nn.Module):
 
     def from_qkv(self, qkv: torch.Tensor, rows: Rows, layer_cache: AttentionLayerCache) -> torch.Tensor:
         """`forward` after its GEMM (which Block may have fused with the norm before it)."""
-        q, gate = self.heads(qkv, rows.cos, rows.sin, layer_cache, rows.slots)
+        return self.from_q(*self.heads(qkv, rows.cos, rows.sin, layer_cache, rows.slots), rows, layer_cache)
+
+    def from_q(self, q: torch.Tensor, gate: torch.Tensor | None, rows: Rows, layer_cache: AttentionLayerCache
+               ) -> torch.Tensor:
+        """`from_qkv` after its RoPE and cache store: attention of the queries [B, H, T, D], then o_proj."""
         if rows.node_mask is None:  # whole sequences from slot 0: causal over the rows just stored, no host read
             T = q.shape[2]
             o = F.scaled_dot_product_attention(q, layer_cache.k[:, :, :T], layer_cache.v[:, :, :T], is_causal=True,
@@ -263,11 +278,17 @@ class Block(nn.Module):
         """The residual stream arrives as residual + pending, `pending` being the previous block's MLP output not
         yet added: the add is fused into this block's first norm. Returns (this block's MLP output, the residual
         stream before it) in the same form."""
-        if skinny_rows(self.skinny, pending):  # six kernels a layer: norms in GEMM prologues, SiLU * up in an epilogue
+        if skinny_rows(self.skinny, pending):  # norms in GEMM prologues, SiLU * up in an epilogue: six kernels a
+            # layer, five where RoPE and the cache store run in the qkv GEMM's epilogue too
             attn, mlp = self.self_attn, self.mlp
-            qkv, residual = self.input_layernorm.linear(pending, residual, attn.qkv_weight, attn.qkv_bias)
-            act, residual = self.post_attention_layernorm.linear(attn.from_qkv(qkv, rows, layer_cache), residual,
-                                                                 mlp.gate_up_weight, mlp.gate_up_bias, glu=True)
+            if attn.rope_fused and rows.cos.shape[-1] == attn.head_dim:
+                q, residual = self.input_layernorm.qkv_rope(pending, residual, attn, rows, layer_cache)
+                mixed = attn.from_q(q, None, rows, layer_cache)
+            else:
+                qkv, residual = self.input_layernorm.linear(pending, residual, attn.qkv_weight, attn.qkv_bias)
+                mixed = attn.from_qkv(qkv, rows, layer_cache)
+            act, residual = self.post_attention_layernorm.linear(mixed, residual, mlp.gate_up_weight,
+                                                                 mlp.gate_up_bias, glu=True)
             return mlp.down(act), residual
         h, residual = self.input_layernorm(pending, residual)
         h, residual = self.post_attention_layernorm(self.mixer(h, rows, layer_cache), residual)
@@ -276,9 +297,12 @@ class Block(nn.Module):
 
 def fuse_projections(blocks) -> None:
     """One GEMM for q, k, v and one for gate, up; kernels.skinny_linear where the model is launch-bound."""
-    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH"):  # read at each kernel launch: a bad value fails here, once
+    # read at each kernel launch: a bad value fails here, once
+    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH", "ENGINE_ATTN_PREFETCH", "ENGINE_ATTN_HOIST",
+                 "ENGINE_TRITON_ARGMAX"):
         env_switch(name)
     forced = skinny_forced()
+    rope = env_switch("ENGINE_SKINNY_ROPE") is not False  # 0: RoPE and the cache store in their own kernel (A/B)
     for block in blocks:
         block.mixer.fuse()
         block.mlp.fuse()
@@ -286,6 +310,10 @@ def fuse_projections(blocks) -> None:
         skinny = (isinstance(mixer, Attention) and not mixer.output_gate
                   and skinny_linear_applies(block.mlp.gate_up_weight, forced))
         block.skinny = mixer.skinny = block.mlp.skinny = skinny
+        if isinstance(mixer, Attention):
+            # RoPE on every dim is checked per call (Block.forward): the tables' width is the rotary width
+            mixer.rope_fused = (skinny and rope and mixer.tp is None
+                                and rope_fusable(mixer.qkv_weight, mixer.head_dim, mixer.head_dim, mixer.q_norm is not None))
 
 
 def skinny_forced() -> bool | None:

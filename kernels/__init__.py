@@ -8,6 +8,8 @@
 - skinny_linear: a projection with its RMSNorm (and residual add) in the prologue and SiLU(gate) * up in the
   epilogue, batch-invariant, for launch-bound models (SmolLM2-135M's width).
 - cross_entropy: per-row cross-entropy and argmax over the vocabulary, with its gradient (draft training's loss).
+- argmax: the greedy token of each logits row in one launch, the vocabulary split over programs (the decode loop's
+  torch.argmax(-1), which reads a row with one thread block).
 
 Each public function dispatches to its Triton kernel for CUDA tensors and to the reference otherwise;
 ENGINE_DISABLE_TRITON=1 forces the references everywhere.
@@ -87,8 +89,42 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(addr, nbytes):
+        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16; 0 issues nothing) at each 16-byte aligned
+        address in `addr`: a hint, legal before pdl_wait (L2 is where the kernel before it writes)."""
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; }"
+                                  "\n\tmov.u32 $0, 0;", "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 else:
-    pdl_wait = None
+    pdl_wait = prefetch_l2 = None
+
+
+def bulk_prefetch_ok(t, row_stride: int, row_len: int) -> bool:
+    """Whether prefetch_l2 can take rows of `row_len` elements `row_stride` apart from t's data: 16-byte aligned
+    and a multiple of 16 bytes long."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and (row_stride * size) % 16 == 0 and (row_len * size) % 16 == 0
+
+
+_COUNTERS: dict = {}  # device -> the arrival counters of the kernels that merge their programs' partials
+_RETIRED: list = []   # outgrown counters, kept alive: a captured graph may still use them
+
+
+def arrival_counters(n: int, device):
+    """At least n zeroed int32 arrival counters on `device`, shared by every kernel whose last program to arrive
+    merges the others' partials (tree_attention's key splits, argmax's vocabulary chunks): each call's last
+    arriver resets its counter to 0, and calls on one stream run one after another (a kernel launched with PDL
+    counts only after the kernel before it has finished). Allocate before a graph capture (the engine's eager
+    warm-up round does): zeros allocated during one would be filled only when the graph replays."""
+    import torch
+    key = torch.device(device)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < n:
+        if have is not None:
+            _RETIRED.append(have)
+        have = _COUNTERS[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return have
 
 
 def next_pow2(n: int) -> int:

@@ -26,6 +26,13 @@ row's operations are therefore the same whether it runs alone (decode) or among 
 rows contributing nothing: verify reproduces decode bit for bit. cuBLAS is batch-invariant too (without a split-K
 workspace, engine/__init__.py) but cannot take a prologue.
 
+`skinny_qkv_rope` is the qkv projection with kernels.fused's qk_norm_rope_store (no per-head norms, RoPE on the whole
+head) in its epilogue: a program's 16 columns are 8 rotary pairs of one head, so the grid is the plain kernel's; its
+outputs (q, and k, v at the cache slots) equal those of the two kernels bit for bit. Both kernels compile without
+FMA contraction, as the RoPE kernel does: with it, LLVM fuses a rounded RoPE product into the add after it
+(fma.rn.bf16, one rounding fewer); the norm's sum of squares is fma.rn.f32 with contraction, so the plain kernel
+compiles as the fused one does.
+
 Three entry points, as in kernels.fused: `skinny_linear_reference` (plain PyTorch: kernels.fused's references and
 F.linear), `skinny_linear_triton` (the kernel; CPU tensors under TRITON_INTERPRET=1), `skinny_linear` (the kernel for
 CUDA tensors in float16/bfloat16, else the reference; ENGINE_DISABLE_TRITON=1 forces the reference).
@@ -45,11 +52,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import env_switch, next_pow2, pdl_launch, pdl_options, pdl_wait, tl, triton, triton_disabled
-from kernels.fused import _out_rows, _round, _soft_rne, rmsnorm_reference, silu_mul_reference
+from kernels import (bulk_prefetch_ok, env_switch, next_pow2, pdl_launch, pdl_options, pdl_wait, prefetch_l2, tl,
+                     triton, triton_disabled)
+from kernels.fused import (_out_rows, _round, _soft_rne, qk_norm_rope_store_reference, rmsnorm_reference,
+                           silu_mul_reference)
 
 __all__ = ["skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "skinny_config",
-           "skinny_linear_applies"]
+           "skinny_linear_applies", "skinny_qkv_rope", "skinny_qkv_rope_reference", "skinny_qkv_rope_triton",
+           "rope_fusable"]
 
 BLOCK_M = 16  # rows per program: tl.dot's smallest tile
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -132,31 +142,22 @@ if triton is not None:
         return h
 
     @triton.jit
-    def _prefetch_l2(rows, nbytes):
-        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) at each 16-byte aligned address in `rows`."""
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [rows, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _skinny_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K, eps,
-                       s_xm, s_rm, s_wn, s_ym, s_hm,
-                       NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       NUM_STAGES: tl.constexpr, SOFT_RNE: tl.constexpr, SOFT_RNE_OUT: tl.constexpr,
-                       K_CHUNKS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+    def _project(x_ptr, res_ptr, norm_ptr, w_ptr, h_ptr, rows, cols, rmask, cmask, N, K, eps,
+                 s_xm, s_rm, s_wn, s_hm, STORE_H: tl.constexpr,
+                 NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, SOFT_RNE: tl.constexpr,
+                 K_CHUNKS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+        """(acc, acc_up): the float32 products of the program's rows (normed as the module docstring says) with its
+        weight columns `cols` (and, with GLU, the up columns N below them), after the PDL wait. STORE_H: this
+        program stores the new residual stream h."""
         dt: tl.constexpr = x_ptr.dtype.element_ty
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < M
-        cmask = cols < N
         if PREFETCH:  # the program's weight rows (read-only) into L2 while the kernel before it still runs
             w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * s_wn
             nbytes = tl.full([BLOCK_N], 0, tl.int32) + K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            _prefetch_l2(w_rows, nbytes)
+            prefetch_l2(w_rows, nbytes)
             if GLU:
-                _prefetch_l2(w_rows + N * s_wn, nbytes)
+                prefetch_l2(w_rows + N * s_wn, nbytes)
         pdl_wait(PDL)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * s_xm
         r_rows = res_ptr + rows.to(tl.int64)[:, None] * s_rm
@@ -177,7 +178,7 @@ if triton is not None:
             if NORM:
                 h = _residual_sum(x_rows, r_rows, ks, m2, HAS_RES, dt, SOFT_RNE)
                 if HAS_RES:
-                    if pid_n == 0:  # the new residual stream, stored by one column block
+                    if STORE_H:  # the new residual stream, stored by one column block
                         tl.store(h_ptr + rows.to(tl.int64)[:, None] * s_hm + ks[None, :], h.to(dt), mask=m2)
                 nw = tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
                 a = _round(nw[None, :] * _round(h * inv[:, None], dt, SOFT_RNE), dt, SOFT_RNE)
@@ -188,6 +189,25 @@ if triton is not None:
             if GLU:  # the up rows, N rows below the gate rows
                 acc_up = _dot_step(acc_up, a, tl.load(w_cols + N * s_wn + ks[None, :], mask=wmask, other=0.0), dt,
                                    SOFT_RNE)
+        return acc, acc_up
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K, eps,
+                       s_xm, s_rm, s_wn, s_ym, s_hm,
+                       NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       NUM_STAGES: tl.constexpr, SOFT_RNE: tl.constexpr, SOFT_RNE_OUT: tl.constexpr,
+                       K_CHUNKS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        dt: tl.constexpr = x_ptr.dtype.element_ty
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < M
+        cmask = cols < N
+        acc, acc_up = _project(x_ptr, res_ptr, norm_ptr, w_ptr, h_ptr, rows, cols, rmask, cmask, N, K, eps,
+                               s_xm, s_rm, s_wn, s_hm, pid_n == 0, NORM, HAS_RES, GLU, BLOCK_M, BLOCK_N, BLOCK_K,
+                               NUM_STAGES, SOFT_RNE, K_CHUNKS, UNROLL, PDL, PREFETCH)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             if GLU:
@@ -201,14 +221,65 @@ if triton is not None:
                  mask=rmask[:, None] & cmask[None, :])
 
 
+    @triton.jit
+    def _skinny_rope_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, b_ptr, h_ptr, cos_ptr, sin_ptr, slots_ptr,
+                            q_ptr, kc_ptr, vc_ptr, M, N, K, eps, T, H, KVH,
+                            s_xm, s_rm, s_wn, s_hm, s_cos_b, s_cos_t, s_sin_b, s_sin_t, s_slots_b,
+                            s_q_b, s_q_h, s_q_t, s_kc_b, s_kc_h, s_kc_s, s_vc_b, s_vc_h, s_vc_s,
+                            D: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                            SOFT_RNE: tl.constexpr, K_CHUNKS: tl.constexpr, UNROLL: tl.constexpr,
+                            PDL: tl.constexpr, PREFETCH: tl.constexpr):
+        """The qkv projection with kernels.fused's qk_norm_rope_store (no norms, RoPE on every dim) in its epilogue.
+        A program's 16 columns are 8 rotary pairs of one head, dims c0..c0+7 and D/2 + the same, so RoPE needs no
+        other program's columns: the grid and the weight bytes per program are those of the plain kernel."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        dt: tl.constexpr = x_ptr.dtype.element_ty
+        head = pid_n // (D // 16)
+        c0 = (pid_n % (D // 16)) * 8
+        j = tl.arange(0, 16)
+        cols = head * D + c0 + j % 8 + (j // 8) * (D // 2)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        acc, _ = _project(x_ptr, res_ptr, norm_ptr, w_ptr, h_ptr, rows, cols, rmask, cols < N, N, K, eps,
+                          s_xm, s_rm, s_wn, s_hm, pid_n == 0, NORM, HAS_RES, False, BLOCK_M, 16, BLOCK_K,
+                          NUM_STAGES, SOFT_RNE, K_CHUNKS, UNROLL, PDL, PREFETCH)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        z = _round(acc, dt, SOFT_RNE)  # the projection's output, as the plain kernel stores it
+        lo, hi = tl.split(tl.permute(tl.reshape(z, [BLOCK_M, 2, 8]), (0, 2, 1)))  # dims c0 + i and D/2 + c0 + i
+        b = (rows // T).to(tl.int64)
+        t = rows % T
+        d = c0 + tl.arange(0, 8)
+        m2 = rmask[:, None]
+        if head < H + KVH:  # q or k: qk_norm_rope_store's arithmetic, every product rounded
+            cos_row = cos_ptr + (b * s_cos_b + t * s_cos_t)[:, None]
+            sin_row = sin_ptr + (b * s_sin_b + t * s_sin_t)[:, None]
+            c_lo = tl.load(cos_row + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            s_lo = tl.load(sin_row + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            c_hi = tl.load(cos_row + (D // 2) + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            s_hi = tl.load(sin_row + (D // 2) + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            lo, hi = (_round(_round(lo * c_lo, dt, SOFT_RNE) + _round(-hi * s_lo, dt, SOFT_RNE), dt, SOFT_RNE),
+                      _round(_round(hi * c_hi, dt, SOFT_RNE) + _round(lo * s_hi, dt, SOFT_RNE), dt, SOFT_RNE))
+        if head < H:
+            dst = q_ptr + b * s_q_b + head * s_q_h + t * s_q_t
+        else:
+            slot = tl.load(slots_ptr + b * s_slots_b + t, mask=rmask, other=0).to(tl.int64)
+            if head < H + KVH:
+                dst = kc_ptr + b * s_kc_b + (head - H) * s_kc_h + slot * s_kc_s
+            else:
+                dst = vc_ptr + b * s_vc_b + (head - H - KVH) * s_vc_h + slot * s_vc_s
+        tl.store(dst[:, None] + d[None, :], lo.to(dt), mask=m2)
+        tl.store(dst[:, None] + (D // 2) + d[None, :], hi.to(dt), mask=m2)
+
+
 def _prefetch_rows(weight: torch.Tensor) -> bool:
     """Whether the kernel prefetches its weight rows into L2 before waiting on the kernel before it (PDL):
     rows that the bulk prefetch can take (16-byte aligned, a multiple of 16 bytes long). ENGINE_SKINNY_PREFETCH=0
     turns it off (A/B runs)."""
-    row_bytes = weight.shape[1] * weight.element_size()
-    stride_bytes = weight.stride(0) * weight.element_size()
-    aligned = weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0 and stride_bytes % 16 == 0
-    return aligned and env_switch("ENGINE_SKINNY_PREFETCH") is not False
+    return (bulk_prefetch_ok(weight, weight.stride(0), weight.shape[1])
+            and env_switch("ENGINE_SKINNY_PREFETCH") is not False)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -256,8 +327,83 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             NORM=norm is not None, HAS_RES=residual is not None, GLU=glu, HAS_BIAS=bias is not None,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=_soft_rne(x),
             SOFT_RNE_OUT=_soft_rne(y), K_CHUNKS=k_chunks, UNROLL=2 if k_chunks > 4 else 1, PDL=pdl, PREFETCH=prefetch,
-            num_warps=warps, **pdl_options(pdl))
+            num_warps=warps, enable_fp_fusion=False, **pdl_options(pdl))  # no contraction: the module docstring
     return y_out, h_out
+
+
+def rope_fusable(weight: torch.Tensor, head_dim: int, rotary_dims: int, qk_norm: bool) -> bool:
+    """Whether skinny_qkv_rope can run a qkv weight [N, K]: RoPE on every dim of heads a multiple of 16 wide, no
+    per-head norm, and 16-column programs (skinny_config), each taking 8 rotary pairs of one head."""
+    N, K = weight.shape
+    return (not qk_norm and rotary_dims == head_dim and head_dim % 16 == 0 and N % head_dim == 0
+            and skinny_config(N, K)[0] == 16)
+
+
+def skinny_qkv_rope_reference(x, weight, bias, norm, eps, residual, num_heads, num_kv_heads, head_dim, cos, sin,
+                              k_cache, v_cache, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Plain PyTorch: skinny_linear_reference, then kernels.fused's qk_norm_rope_store_reference (no norms)."""
+    qkv, h = skinny_linear_reference(x, weight, bias, norm, eps, residual)
+    return qk_norm_rope_store_reference(qkv, num_heads, num_kv_heads, head_dim, None, None, eps, cos, sin,
+                                        k_cache, v_cache, slots), h
+
+
+def skinny_qkv_rope_triton(x, weight, bias, norm, eps, residual, num_heads, num_kv_heads, head_dim, cos, sin,
+                           k_cache, v_cache, slots, out: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel: (q [B, H, T, D], h) with k and v stored at the cache slots, as skinny_linear followed by
+    qk_norm_rope_store (x [B, T, K], cos/sin [B, T, D], slots [T] or [B, T]; `out` receives q)."""
+    if triton is None:
+        raise RuntimeError("skinny_qkv_rope_triton needs triton")
+    _check(x, weight, bias, norm, residual, False, None)
+    B, T, K = x.shape
+    H, KVH, D = num_heads, num_kv_heads, head_dim
+    N = weight.shape[0]
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or weight.stride(1) != 1:
+        raise ValueError(f"x and weight must share a 16-bit float dtype, the weight's last dim contiguous")
+    if N != (H + 2 * KVH) * D or not rope_fusable(weight, D, cos.shape[-1], False):
+        raise ValueError(f"skinny_qkv_rope needs a [(H + 2 KVH) * D, K] weight, RoPE on all {D} dims and 16-column "
+                         f"blocks, got {tuple(weight.shape)}, {cos.shape[-1]} rotary dims")
+    for name, t in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != x.dtype or t.device != x.device or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be {x.dtype} on {x.device} with a contiguous last dim")
+    if tuple(cos.shape) != (B, T, D) or tuple(sin.shape) != (B, T, D):
+        raise ValueError(f"cos and sin must be [{B}, {T}, {D}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if slots.dtype not in (torch.int64, torch.int32) or slots.shape[-1] != T:
+        raise ValueError(f"slots must be int32/int64 [T] or [B, T], got {slots.dtype} {tuple(slots.shape)}")
+    q = torch.empty(B, H, T, D, dtype=x.dtype, device=x.device) if out is None else out
+    h = None if residual is None else torch.empty(B, T, K, dtype=x.dtype, device=x.device)
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = residual.reshape(-1, K).contiguous() if residual is not None else x2
+    slots = slots.contiguous()
+    M = B * T
+    if M:
+        _, block_k, warps, stages = skinny_config(N, K)
+        k_chunks = triton.cdiv(K, block_k)
+        pdl = pdl_launch(x)
+        _skinny_rope_kernel[(N // 16, triton.cdiv(M, BLOCK_M))](
+            x2, r2, x2 if norm is None else norm, weight, x2 if bias is None else bias, x2 if h is None else h,
+            cos, sin, slots, q, k_cache, v_cache, M, N, K, float(eps), T, H, KVH,
+            x2.stride(0), r2.stride(0), weight.stride(0), 0 if h is None else h.stride(-2),
+            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), slots.stride(0) if slots.dim() == 2 else 0,
+            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            D=D, NORM=norm is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
+            BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=_soft_rne(x), K_CHUNKS=k_chunks,
+            UNROLL=2 if k_chunks > 4 else 1, PDL=pdl, PREFETCH=pdl and _prefetch_rows(weight), num_warps=warps,
+            enable_fp_fusion=False, **pdl_options(pdl))
+    return q, h
+
+
+def skinny_qkv_rope(x, weight, bias, norm, eps, residual, num_heads, num_kv_heads, head_dim, cos, sin, k_cache,
+                    v_cache, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q, h): the kernel for CUDA tensors in float16/bfloat16, else the reference."""
+    if _kernel_runs(x) and weight.dtype == x.dtype:
+        return skinny_qkv_rope_triton(x, weight, bias, norm, eps, residual, num_heads, num_kv_heads, head_dim, cos,
+                                      sin, k_cache, v_cache, slots)
+    return skinny_qkv_rope_reference(x, weight, bias, norm, eps, residual, num_heads, num_kv_heads, head_dim, cos,
+                                     sin, k_cache, v_cache, slots)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -54,8 +54,12 @@ of -inf is never subtracted from itself, so no NaN), writes `out` and resets the
 kernel after it, and the result does not depend on which split finished last. A group whose keys fit one split
 writes `out` directly too: merging a single partial with neutral ones gives the same bits, so decode (one active
 split) and verify (maybe more, all but one neutral for that token) agree. The counters are shared by the calls on
-a device (`_arrival_counters`): calls on one stream run one after another. FP contraction is
-off: every operation rounds as written. The block body is written inline rather than as a @triton.jit helper:
+a device (`kernels.arrival_counters`): calls on one stream run one after another. FP contraction is
+off: every operation rounds as written. Launched with PDL, a program prefetches its split's committed K/V rows
+into L2 before its wait (`start` read as a hint there and again after it; ENGINE_ATTN_PREFETCH=0 turns it off): the
+rows from HBM arrive while the kernel before it stores the new ones. Each token's key count and the row list of
+its first block past the prefix are loaded before the prefix walk, so that their latency overlaps it
+(ENGINE_ATTN_HOIST=0 loads them after it). The block body is written inline rather than as a @triton.jit helper:
 under TRITON_INTERPRET=1 every device-function call re-patches triton.language, which made the CPU tests several
 times slower.
 """
@@ -66,7 +70,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import next_pow2, pdl_launch, pdl_options, pdl_wait, row_values, tl, triton, triton_disabled
+from kernels import (arrival_counters, bulk_prefetch_ok, env_switch, next_pow2, pdl_launch, pdl_options, pdl_wait,
+                     prefetch_l2, row_values, tl, triton, triton_disabled)
 
 BLOCK_N = 64        # keys per inner-loop block
 SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)
@@ -129,18 +134,30 @@ if triton is not None:
                        stride_ob, stride_oh, stride_ot,
                        G: tl.constexpr, G_P2: tl.constexpr, TOK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, T_P2: tl.constexpr,
-                       SPLIT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+                       SPLIT: tl.constexpr, SPLIT_BLOCKS_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                        FP32_DOT: tl.constexpr, ROUND_P: tl.constexpr, WRITE_OUT: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PDL: tl.constexpr, PREFETCH: tl.constexpr, HOIST: tl.constexpr):
         """Program (b * KVH + kv head, TOK tokens, key split): online softmax over each token's keys in logical
         order; the committed prefix's blocks are shared by the program's tokens. With several splits, the last
         split of a token group to finish merges the group's partials (count_ptr: one arrival counter per group)."""
-        pdl_wait(PDL)
         pid_bk = tl.program_id(0)
         t0 = tl.program_id(1) * TOK
         pid_s = tl.program_id(2)
         b = (pid_bk // KVH).to(tl.int64)
         kvh = (pid_bk % KVH).to(tl.int64)
+        k_base = k_ptr + b * stride_kb + kvh * stride_kh
+        v_base = v_ptr + b * stride_vb + kvh * stride_vh
+        if PREFETCH:  # the split's committed K/V rows into L2 while the kernel before it (the new rows' store) runs
+            hint = tl.load(start_ptr + b * stride_start, cache_modifier=".cg").to(tl.int32)  # a hint: read again
+            blk = tl.arange(0, SPLIT_BLOCKS_P2)  # the split's blocks (padded to a power of two: tl.arange)
+            first = pid_s * SPLIT + blk * BLOCK_N  # each block's first row
+            n = tl.where(blk < SPLIT // BLOCK_N, tl.maximum(tl.minimum(tl.minimum(hint, CAP) - first, BLOCK_N), 0), 0)
+            elt: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
+            k_bytes = tl.where(n > 0, (n - 1) * stride_kn + D, 0) * elt  # n rows, multiples of 16 bytes (host)
+            v_bytes = tl.where(n > 0, (n - 1) * stride_vn + D, 0) * elt
+            prefetch_l2(k_base + first.to(tl.int64) * stride_kn, k_bytes.to(tl.int32))
+            prefetch_l2(v_base + first.to(tl.int64) * stride_vn, v_bytes.to(tl.int32))
+        pdl_wait(PDL)
 
         start = tl.load(start_ptr + b * stride_start).to(tl.int32)  # on the device: graph replays may change it
 
@@ -169,9 +186,6 @@ if triton is not None:
             if lo >= bound:
                 return
 
-        k_base = k_ptr + b * stride_kb + kvh * stride_kh
-        v_base = v_ptr + b * stride_vb + kvh * stride_vh
-
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum
         acc = tl.zeros([BLOCK_M, D_P2], dtype=tl.float32)  # unnormalised output
@@ -182,6 +196,16 @@ if triton is not None:
         # blocks wholly inside the committed prefix are the same for all of them: walked once for all the rows,
         # with plain addresses and no masks, so the pipeliner issues their loads ahead.
         prefix_end = lo + tl.maximum(tl.minimum(lo + SPLIT, start) - lo, 0) // BLOCK_N * BLOCK_N
+        if HOIST:  # each token's key count and the row list of its first block past the prefix walk, loaded now:
+            # their latency overlaps the walk instead of following it (the same values as loaded below)
+            tids = t0 + tl.arange(0, TOK)
+            seen_all = tl.load(nm_ptr + b * stride_nmb + tids[:, None] * stride_nm0 + nodes[None, :] * stride_nm1,
+                               mask=(tids[:, None] < T) & (nodes[None, :] < T), other=0) != 0
+            hi_all = tl.where(tids < T, tl.minimum(lo + SPLIT, start + tl.sum(seen_all.to(tl.int32), 1)), lo)
+            offs0 = prefix_end + offs_n
+            new0 = (offs0[None, :] >= start) & (offs0[None, :] < hi_all[:, None])
+            node0_all = tl.load(rows_ptr + b * stride_rows_b + tids[:, None] * stride_rows + (offs0 - start)[None, :],
+                                mask=new0, other=0)
         for n0 in range(lo, prefix_end, BLOCK_N):
             offs = n0 + offs_n
             kt = tl.load(k_base + offs_d[:, None] + offs[None, :] * stride_kn, mask=d_ok[:, None], other=0.0)
@@ -209,10 +233,15 @@ if triton is not None:
         # begin: a row equals the one-token decode step at its position bit for bit.
         for j in tl.static_range(TOK):
             tj = t0 + j
-            seen = tl.load(nm_ptr + b * stride_nmb + tj * stride_nm0 + nodes * stride_nm1,
-                           mask=nodes < tl.where(tj < T, T, 0), other=0) != 0  # a token past T sees nothing
-            length = start + tl.sum(seen.to(tl.int32), 0)
-            hi = tl.where(tj < T, tl.minimum(lo + SPLIT, length), lo)  # hi <= lo: no keys in this split
+            if HOIST:
+                pick = tl.arange(0, TOK) == j
+                hi = tl.sum(tl.where(pick, hi_all, 0), 0)
+                node0 = tl.sum(tl.where(pick[:, None], node0_all, 0), 0)
+            else:
+                seen = tl.load(nm_ptr + b * stride_nmb + tj * stride_nm0 + nodes * stride_nm1,
+                               mask=nodes < tl.where(tj < T, T, 0), other=0) != 0  # a token past T sees nothing
+                length = start + tl.sum(seen.to(tl.int32), 0)
+                hi = tl.where(tj < T, tl.minimum(lo + SPLIT, length), lo)  # hi <= lo: no keys in this split
             visible = rows_ptr + b * stride_rows_b + tj * stride_rows
             mine = slot == j
             for n0 in range(prefix_end, hi, BLOCK_N):
@@ -221,7 +250,12 @@ if triton is not None:
                 # gather from the token's row list, as paged attention reads its block table), computed for every
                 # block without a branch, so that the addresses stay plain arithmetic the pipeliner can issue ahead.
                 new = (offs >= start) & (offs < hi)
-                node = tl.load(visible + (offs - start), mask=new, other=0)
+                if HOIST:  # the first block's row list is loaded already
+                    first_block = offs < prefix_end + BLOCK_N
+                    node = tl.where(first_block, node0,
+                                    tl.load(visible + (offs - start), mask=new & ~first_block, other=0))
+                else:
+                    node = tl.load(visible + (offs - start), mask=new, other=0)
                 cache_row = tl.where(offs < start, offs, start + node)
                 kv_ok = (offs < hi) & (cache_row < CAP)
                 kt = tl.load(k_base + offs_d[:, None] + cache_row[None, :] * stride_kn,
@@ -309,23 +343,6 @@ def _start_tensor(start, B: int, device) -> torch.Tensor:
         start = start if start.device == device else start.to(device)  # a host copy is not graph-capturable
         return start.reshape(-1) if start.numel() > 1 else start
     return torch.full((), int(start), dtype=torch.int64, device=device)  # a fill kernel, capturable
-
-
-_COUNTERS: dict = {}  # device -> the arrival counters of the split merge
-_RETIRED: list = []   # outgrown counters, kept alive: a captured graph may still use them
-
-
-def _arrival_counters(n: int, device) -> torch.Tensor:
-    """At least n zeroed int32 arrival counters on `device` for the split merge, shared by every call on the
-    device: each call's last split resets its group's counter to 0, and calls on one stream run one after another
-    (a kernel launched with PDL counts only after the kernel before it has finished)."""
-    key = torch.device(device)
-    have = _COUNTERS.get(key)
-    if have is None or have.numel() < n:
-        if have is not None:
-            _RETIRED.append(have)
-        have = _COUNTERS[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return have
 
 
 def visible_rows(node_mask: torch.Tensor) -> torch.Tensor:
@@ -420,8 +437,11 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         pacc = torch.empty(num_splits, B, H, T, D, dtype=torch.float32, device=q.device)
         pm = torch.empty(num_splits, B, H, T, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
-        count = _arrival_counters(B * KVH * triton.cdiv(T, tok), q.device)
+        count = arrival_counters(B * KVH * triton.cdiv(T, tok), q.device)
     pdl = pdl_launch(q)
+    prefetch = (pdl and env_switch("ENGINE_ATTN_PREFETCH") is not False
+                and bulk_prefetch_ok(k_cache, k_cache.stride(2), D) and bulk_prefetch_ok(v_cache, v_cache.stride(2), D))
+    hoist = env_switch("ENGINE_ATTN_HOIST") is not False
     _tree_attn_fwd[(B * KVH, triton.cdiv(T, tok), num_splits)](
         q, k_cache, v_cache, start_t, nm, rows, out, pacc, pm, pl, count,
         B, T, CAP, H, KVH, qk_scale,
@@ -431,9 +451,11 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         start_t.stride(0) if start_t.dim() else 0, nm.stride(0) if nm.dim() == 3 else 0, nm.stride(-2), nm.stride(-1),
         rows.stride(0) if rows.dim() == 3 else 0, rows.stride(-2),
         out.stride(0), out.stride(1), out.stride(2),
-        G=G, G_P2=g_p2, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split, D=D,
+        G=G, G_P2=g_p2, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split,
+        SPLIT_BLOCKS_P2=next_pow2(split // block_n), D=D,
         D_P2=d_p2,
-        FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, PDL=pdl, num_warps=num_warps,
+        FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, PDL=pdl, PREFETCH=prefetch, HOIST=hoist,
+        num_warps=num_warps,
         num_stages=num_stages, enable_fp_fusion=False, **pdl_options(pdl))
     return out
 
