@@ -282,6 +282,16 @@ def _prefetch_rows(weight: torch.Tensor) -> bool:
             and env_switch("ENGINE_SKINNY_PREFETCH") is not False)
 
 
+def _launch_args(x: torch.Tensor, weight: torch.Tensor, block_k: int, warps: int, stages: int) -> dict:
+    """The launch arguments both kernels share: the main loop's shape (its steps unrolled by 2 past 4: down_proj's
+    6), PDL with the weight prefetch, and no FMA contraction (the module docstring says why)."""
+    k_chunks = triton.cdiv(weight.shape[1], block_k)
+    pdl = pdl_launch(x)
+    return dict(BLOCK_M=BLOCK_M, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=_soft_rne(x), K_CHUNKS=k_chunks,
+                UNROLL=2 if k_chunks > 4 else 1, PDL=pdl, PREFETCH=pdl and _prefetch_rows(weight), num_warps=warps,
+                enable_fp_fusion=False, **pdl_options(pdl))
+
+
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                          glu: bool = False, out_dtype: torch.dtype | None = None,
@@ -317,17 +327,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     r2 = residual.reshape(-1, K).contiguous() if residual is not None else x2
     if M and N:
         block_n, block_k, warps, stages = config or skinny_config(N, K)
-        k_chunks = triton.cdiv(K, block_k)  # the main loop's steps, unrolled by 2 past 4 (down_proj: 6 steps)
-        pdl = pdl_launch(x)
-        prefetch = pdl and _prefetch_rows(weight)
         _skinny_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, BLOCK_M))](
             x2, r2, x2 if norm is None else norm, weight, x2 if bias is None else bias, y, x2 if h is None else h,
             M, N, K, float(eps), x2.stride(0), r2.stride(0), weight.stride(0), y.stride(0),
             0 if h is None else h.stride(0),
             NORM=norm is not None, HAS_RES=residual is not None, GLU=glu, HAS_BIAS=bias is not None,
-            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=_soft_rne(x),
-            SOFT_RNE_OUT=_soft_rne(y), K_CHUNKS=k_chunks, UNROLL=2 if k_chunks > 4 else 1, PDL=pdl, PREFETCH=prefetch,
-            num_warps=warps, enable_fp_fusion=False, **pdl_options(pdl))  # no contraction: the module docstring
+            BLOCK_N=block_n, SOFT_RNE_OUT=_soft_rne(y), **_launch_args(x, weight, block_k, warps, stages))
     return y_out, h_out
 
 
@@ -359,7 +364,7 @@ def skinny_qkv_rope_triton(x, weight, bias, norm, eps, residual, num_heads, num_
     H, KVH, D = num_heads, num_kv_heads, head_dim
     N = weight.shape[0]
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or weight.stride(1) != 1:
-        raise ValueError(f"x and weight must share a 16-bit float dtype, the weight's last dim contiguous")
+        raise ValueError("x and weight must share a 16-bit float dtype, the weight's last dim contiguous")
     if N != (H + 2 * KVH) * D or not rope_fusable(weight, D, cos.shape[-1], False):
         raise ValueError(f"skinny_qkv_rope needs a [(H + 2 KVH) * D, K] weight, RoPE on all {D} dims and 16-column "
                          f"blocks, got {tuple(weight.shape)}, {cos.shape[-1]} rotary dims")
@@ -380,8 +385,6 @@ def skinny_qkv_rope_triton(x, weight, bias, norm, eps, residual, num_heads, num_
     M = B * T
     if M:
         _, block_k, warps, stages = skinny_config(N, K)
-        k_chunks = triton.cdiv(K, block_k)
-        pdl = pdl_launch(x)
         _skinny_rope_kernel[(N // 16, triton.cdiv(M, BLOCK_M))](
             x2, r2, x2 if norm is None else norm, weight, x2 if bias is None else bias, x2 if h is None else h,
             cos, sin, slots, q, k_cache, v_cache, M, N, K, float(eps), T, H, KVH,
@@ -389,10 +392,8 @@ def skinny_qkv_rope_triton(x, weight, bias, norm, eps, residual, num_heads, num_
             cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), slots.stride(0) if slots.dim() == 2 else 0,
             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            D=D, NORM=norm is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
-            BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=_soft_rne(x), K_CHUNKS=k_chunks,
-            UNROLL=2 if k_chunks > 4 else 1, PDL=pdl, PREFETCH=pdl and _prefetch_rows(weight), num_warps=warps,
-            enable_fp_fusion=False, **pdl_options(pdl))
+            D=D, NORM=norm is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+            **_launch_args(x, weight, block_k, warps, stages))
     return q, h
 
 
