@@ -172,7 +172,7 @@ def test_env_switch_is_checked(monkeypatch):
         skinny_forced()
     monkeypatch.setenv("ENGINE_SKINNY_LINEAR", "auto")
     # read at each launch, checked at load time
-    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH", "ENGINE_ATTN_PREFETCH", "ENGINE_ATTN_HOIST",
+    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH", "ENGINE_ATTN_PREFETCH",
                  "ENGINE_SKINNY_ROPE", "ENGINE_TRITON_ARGMAX"):
         monkeypatch.setenv(name, "on")
         with pytest.raises(EngineError, match=name):

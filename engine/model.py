@@ -298,8 +298,7 @@ class Block(nn.Module):
 def fuse_projections(blocks) -> None:
     """One GEMM for q, k, v and one for gate, up; kernels.skinny_linear where the model is launch-bound."""
     # read at each kernel launch: a bad value fails here, once
-    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH", "ENGINE_ATTN_PREFETCH", "ENGINE_ATTN_HOIST",
-                 "ENGINE_TRITON_ARGMAX"):
+    for name in ("ENGINE_PDL", "ENGINE_SKINNY_PREFETCH", "ENGINE_ATTN_PREFETCH", "ENGINE_TRITON_ARGMAX"):
         env_switch(name)
     forced = skinny_forced()
     rope = env_switch("ENGINE_SKINNY_ROPE") is not False  # 0: RoPE and the cache store in their own kernel (A/B)
@@ -312,8 +311,8 @@ def fuse_projections(blocks) -> None:
         block.skinny = mixer.skinny = block.mlp.skinny = skinny
         if isinstance(mixer, Attention):
             # RoPE on every dim is checked per call (Block.forward): the tables' width is the rotary width
-            mixer.rope_fused = (skinny and rope and mixer.tp is None
-                                and rope_fusable(mixer.qkv_weight, mixer.head_dim, mixer.head_dim, mixer.q_norm is not None))
+            mixer.rope_fused = (skinny and rope and mixer.tp is None and rope_fusable(
+                mixer.qkv_weight, mixer.head_dim, mixer.head_dim, mixer.q_norm is not None))
 
 
 def skinny_forced() -> bool | None:

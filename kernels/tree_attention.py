@@ -58,10 +58,9 @@ a device (`kernels.arrival_counters`): calls on one stream run one after another
 off: every operation rounds as written. Launched with PDL, a program prefetches its split's committed K/V rows
 into L2 before its wait (`start` read as a hint there and again after it; ENGINE_ATTN_PREFETCH=0 turns it off): the
 rows from HBM arrive while the kernel before it stores the new ones. Each token's key count and the row list of
-its first block past the prefix are loaded before the prefix walk, so that their latency overlaps it
-(ENGINE_ATTN_HOIST=0 loads them after it). The block body is written inline rather than as a @triton.jit helper:
-under TRITON_INTERPRET=1 every device-function call re-patches triton.language, which made the CPU tests several
-times slower.
+its first block past the prefix are loaded before the prefix walk, so that their latency overlaps it. The block
+body is written inline rather than as a @triton.jit helper: under TRITON_INTERPRET=1 every device-function call
+re-patches triton.language, which made the CPU tests several times slower.
 """
 from __future__ import annotations
 
@@ -136,7 +135,7 @@ if triton is not None:
                        BLOCK_N: tl.constexpr, T_P2: tl.constexpr,
                        SPLIT: tl.constexpr, SPLIT_BLOCKS_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                        FP32_DOT: tl.constexpr, ROUND_P: tl.constexpr, WRITE_OUT: tl.constexpr,
-                       PDL: tl.constexpr, PREFETCH: tl.constexpr, HOIST: tl.constexpr):
+                       PDL: tl.constexpr, PREFETCH: tl.constexpr):
         """Program (b * KVH + kv head, TOK tokens, key split): online softmax over each token's keys in logical
         order; the committed prefix's blocks are shared by the program's tokens. With several splits, the last
         split of a token group to finish merges the group's partials (count_ptr: one arrival counter per group)."""
@@ -196,16 +195,16 @@ if triton is not None:
         # blocks wholly inside the committed prefix are the same for all of them: walked once for all the rows,
         # with plain addresses and no masks, so the pipeliner issues their loads ahead.
         prefix_end = lo + tl.maximum(tl.minimum(lo + SPLIT, start) - lo, 0) // BLOCK_N * BLOCK_N
-        if HOIST:  # each token's key count and the row list of its first block past the prefix walk, loaded now:
-            # their latency overlaps the walk instead of following it (the same values as loaded below)
-            tids = t0 + tl.arange(0, TOK)
-            seen_all = tl.load(nm_ptr + b * stride_nmb + tids[:, None] * stride_nm0 + nodes[None, :] * stride_nm1,
-                               mask=(tids[:, None] < T) & (nodes[None, :] < T), other=0) != 0
-            hi_all = tl.where(tids < T, tl.minimum(lo + SPLIT, start + tl.sum(seen_all.to(tl.int32), 1)), lo)
-            offs0 = prefix_end + offs_n
-            new0 = (offs0[None, :] >= start) & (offs0[None, :] < hi_all[:, None])
-            node0_all = tl.load(rows_ptr + b * stride_rows_b + tids[:, None] * stride_rows + (offs0 - start)[None, :],
-                                mask=new0, other=0)
+        # each token's key count (hi <= lo: no keys in this split; a token past T sees nothing) and the row list of
+        # its first block past the prefix, loaded now: their latency overlaps the prefix walk instead of following it
+        tids = t0 + tl.arange(0, TOK)
+        seen_all = tl.load(nm_ptr + b * stride_nmb + tids[:, None] * stride_nm0 + nodes[None, :] * stride_nm1,
+                           mask=(tids[:, None] < T) & (nodes[None, :] < T), other=0) != 0
+        hi_all = tl.where(tids < T, tl.minimum(lo + SPLIT, start + tl.sum(seen_all.to(tl.int32), 1)), lo)
+        offs0 = prefix_end + offs_n
+        new0 = (offs0[None, :] >= start) & (offs0[None, :] < hi_all[:, None])
+        node0_all = tl.load(rows_ptr + b * stride_rows_b + tids[:, None] * stride_rows + (offs0 - start)[None, :],
+                            mask=new0, other=0)
         for n0 in range(lo, prefix_end, BLOCK_N):
             offs = n0 + offs_n
             kt = tl.load(k_base + offs_d[:, None] + offs[None, :] * stride_kn, mask=d_ok[:, None], other=0.0)
@@ -233,15 +232,9 @@ if triton is not None:
         # begin: a row equals the one-token decode step at its position bit for bit.
         for j in tl.static_range(TOK):
             tj = t0 + j
-            if HOIST:
-                pick = tl.arange(0, TOK) == j
-                hi = tl.sum(tl.where(pick, hi_all, 0), 0)
-                node0 = tl.sum(tl.where(pick[:, None], node0_all, 0), 0)
-            else:
-                seen = tl.load(nm_ptr + b * stride_nmb + tj * stride_nm0 + nodes * stride_nm1,
-                               mask=nodes < tl.where(tj < T, T, 0), other=0) != 0  # a token past T sees nothing
-                length = start + tl.sum(seen.to(tl.int32), 0)
-                hi = tl.where(tj < T, tl.minimum(lo + SPLIT, length), lo)  # hi <= lo: no keys in this split
+            pick = tl.arange(0, TOK) == j
+            hi = tl.sum(tl.where(pick, hi_all, 0), 0)
+            node0 = tl.sum(tl.where(pick[:, None], node0_all, 0), 0)
             visible = rows_ptr + b * stride_rows_b + tj * stride_rows
             mine = slot == j
             for n0 in range(prefix_end, hi, BLOCK_N):
@@ -250,12 +243,8 @@ if triton is not None:
                 # gather from the token's row list, as paged attention reads its block table), computed for every
                 # block without a branch, so that the addresses stay plain arithmetic the pipeliner can issue ahead.
                 new = (offs >= start) & (offs < hi)
-                if HOIST:  # the first block's row list is loaded already
-                    first_block = offs < prefix_end + BLOCK_N
-                    node = tl.where(first_block, node0,
-                                    tl.load(visible + (offs - start), mask=new & ~first_block, other=0))
-                else:
-                    node = tl.load(visible + (offs - start), mask=new, other=0)
+                first_block = offs < prefix_end + BLOCK_N  # its row list is loaded already
+                node = tl.where(first_block, node0, tl.load(visible + (offs - start), mask=new & ~first_block, other=0))
                 cache_row = tl.where(offs < start, offs, start + node)
                 kv_ok = (offs < hi) & (cache_row < CAP)
                 kt = tl.load(k_base + offs_d[:, None] + cache_row[None, :] * stride_kn,
@@ -441,7 +430,6 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     pdl = pdl_launch(q)
     prefetch = (pdl and env_switch("ENGINE_ATTN_PREFETCH") is not False
                 and bulk_prefetch_ok(k_cache, k_cache.stride(2), D) and bulk_prefetch_ok(v_cache, v_cache.stride(2), D))
-    hoist = env_switch("ENGINE_ATTN_HOIST") is not False
     _tree_attn_fwd[(B * KVH, triton.cdiv(T, tok), num_splits)](
         q, k_cache, v_cache, start_t, nm, rows, out, pacc, pm, pl, count,
         B, T, CAP, H, KVH, qk_scale,
@@ -454,7 +442,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         G=G, G_P2=g_p2, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n, T_P2=max(2, next_pow2(T)), SPLIT=split,
         SPLIT_BLOCKS_P2=next_pow2(split // block_n), D=D,
         D_P2=d_p2,
-        FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, PDL=pdl, PREFETCH=prefetch, HOIST=hoist,
+        FP32_DOT=fp32_dot, ROUND_P=not is_fp32, WRITE_OUT=write_out, PDL=pdl, PREFETCH=prefetch,
         num_warps=num_warps,
         num_stages=num_stages, enable_fp_fusion=False, **pdl_options(pdl))
     return out
