@@ -17,7 +17,8 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backend = pytest.importorskip("triton.backends.compiler")
 
-from kernels import all_reduce, argmax, fused, gated_delta, skinny_linear, tree_attention, tree_ops  # noqa: E402
+from kernels import (all_reduce, argmax, fused, gated_delta, skinny_linear, tree_attention, tree_ops,  # noqa: E402
+                     verify_rows)
 
 H200 = backend.GPUTarget("cuda", 90, 32)
 HOPPER_SHARED = 227 * 1024  # shared memory a block may take on an H100 or H200
@@ -110,6 +111,10 @@ CASES = [
           paths=I32, lengths=I32, starts=I32, scale="fp32"),
      dict(KH=16, HV=48, DK=128, DV=128, DKP=128, BV=gated_delta.TILE_COLUMNS),
      dict(num_warps=gated_delta.WARPS, enable_fp_fusion=gated_delta.FP_FUSION)),
+    ("verify_rows, the 8B's DDTree-15 verify", verify_rows._verify_rows_kernel,
+     dict(tokens_ptr=I64, start_ptr=I64, tree_ptr=I64, depth_ptr=I64, mask_ptr=ptr("i1"), emb_ptr=BF16,
+          table_ptr=BF16, ids_ptr=I64, x_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, slots_ptr=I64, vis_ptr=I32),
+     dict(EMBED=True, BLOCK_H=1024, BLOCK_R=128, BLOCK_T=16, PDL=True), dict(num_warps=1)),
     ("argmax, SmolLM2's float32 logits (49,152: 12 chunks merged in the kernel)", argmax._argmax_kernel,
      dict(x_ptr=F32, part_ptr=I64, count_ptr=I32, out_ptr=I64),
      dict(CHUNK=4096, CP=16, ONE_CHUNK=False, PDL=True),

@@ -288,15 +288,12 @@ class Decoder:
 
     def _stage_verify(self) -> None:
         s, r = self.seq, self.round
-        start = s.cache.start
-        bonus = s.tokens[0].index_select(0, start.view(1))
-        r.verify_ids = torch.cat((bonus, r.tree.tokens))
-        positions = start + torch.cat((s.zero, r.tree.depths))
         schedule = self.chain_schedule
         if self.target.cfg.hybrid and self.settings.method == "ddtree":
             schedule = self._tree_schedule(r.tree)
-        hidden, r.verify_features = self.target(r.verify_ids[None], positions[None], s.cache, r.tree.visible,
-                                                self.feature_layers, schedule)
+        # [bonus, nodes...] at positions start + [0, depths...]
+        r.verify_ids, hidden, r.verify_features = self.target.verify(
+            s.tokens[0], r.tree.tokens, r.tree.depths, r.tree.visible, s.cache, self.feature_layers, schedule)
         r.verify_logits = self.target.logits(hidden[0])
         r.posterior = argmax(r.verify_logits)
 

@@ -8,7 +8,7 @@ node_mask the tokens are whole sequences from an empty cache (draft training's f
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from kernels.gated_delta import TreeSchedule, chain_schedule
 from kernels.skinny_linear import (MAX_ROWS as SKINNY_MAX_ROWS, rope_fusable, skinny_linear, skinny_linear_applies,
                                    skinny_qkv_rope)
 from kernels.tree_attention import tree_attention, visible_rows
+from kernels.verify_rows import verify_rows
 
 from .cache import AttentionLayerCache, ModelCache
 from .config import ModelConfig, rope_inv_freq
@@ -100,13 +101,17 @@ class Rotary:
         same values in one kernel instead of nine per forward pass."""
         if bound is None:
             return self.compute(positions, dtype)
+        both = self.table(dtype, bound)[:, positions]
+        return both[0], both[1]
+
+    def table(self, dtype, bound: int) -> torch.Tensor:
+        """[2, n, rot_dim]: cos and sin of positions 0..n-1 (n >= bound), computed once per dtype and size."""
         tables = self.tables.setdefault(dtype, [])
         if not tables or tables[-1].shape[1] < bound:
             n = max(256, 1 << (bound - 1).bit_length())
             # Earlier tables stay allocated: CUDA graphs captured over them (another decoder's) keep their addresses.
             tables.append(torch.stack(self.compute(torch.arange(n, device=self.inv_freq.device), dtype)))
-        both = tables[-1][:, positions]
-        return both[0], both[1]
+        return tables[-1]
 
 
 @dataclass
@@ -387,11 +392,30 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype, bound=cache.capacity)  # a row's position <= its cache slot
         T = tokens.shape[1]
-        if self.cfg.hybrid and schedule is None:
-            schedule = chain_schedule(T, self.cfg.linear_conv_kernel, tokens.device)
         visible = visible_rows(node_mask) if node_mask is not None and tokens.is_cuda else None  # once, all layers
         slots = start.unsqueeze(-1) + torch.arange(T, device=tokens.device)  # [T], or [B, T] with own lengths
-        rows = Rows(cos, sin, slots, start, node_mask, schedule, visible)
+        return self.run(x, Rows(cos, sin, slots, start, node_mask, schedule, visible), cache, capture)
+
+    def verify(self, tokens: torch.Tensor, tree_tokens: torch.Tensor, tree_depths: torch.Tensor,
+               node_mask: torch.Tensor, cache: ModelCache, capture: tuple[int, ...] = (),
+               schedule: TreeSchedule | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A verify pass of one sequence: `forward` over ids = [tokens[start], tree_tokens...] (tokens [C]: the
+        sequence's ids, the next bonus token at the committed length) at positions start + [0, tree_depths...],
+        node_mask [T, T]. Its inputs (ids, embeddings, rotary rows, slots, visible lists) come from one kernel
+        (kernels.verify_rows). Returns (ids, hidden, features)."""
+        embed = self.embed_tokens.weight if self.tp is None else None  # tensor parallel: a vocab-parallel embedding
+        ids, x, cos, sin, slots, visible = verify_rows(tokens, cache.start, tree_tokens, tree_depths, node_mask,
+                                                       embed, self.rotary.table(self.dtype, cache.capacity))
+        if x is None:
+            x = self.embed(ids[None])
+        rows = Rows(cos, sin, slots, cache.start, node_mask, schedule, visible if ids.is_cuda else None)
+        return ids, *self.run(x, rows, cache, capture)
+
+    def run(self, x: torch.Tensor, rows: Rows, cache: ModelCache, capture: tuple[int, ...] = ()
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers over the embedded rows x [B, T, hidden] (`forward` after its inputs)."""
+        if self.cfg.hybrid and rows.schedule is None:
+            rows = replace(rows, schedule=chain_schedule(x.shape[1], self.cfg.linear_conv_kernel, x.device))
         captured = {}
         pending, residual = x, None  # the embeddings enter as the first pending output
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
