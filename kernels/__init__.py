@@ -10,6 +10,7 @@
 - cross_entropy: per-row cross-entropy and argmax over the vocabulary, with its gradient (draft training's loss).
 - argmax: the greedy token of each logits row in one launch, the vocabulary split over programs (the decode loop's
   torch.argmax(-1), which reads a row with one thread block).
+- verify_rows: a verify pass's inputs (ids, embeddings, rotary rows, cache slots, visible lists) in one launch.
 
 Each public function dispatches to its Triton kernel for CUDA tensors and to the reference otherwise;
 ENGINE_DISABLE_TRITON=1 forces the references everywhere.
