@@ -36,7 +36,7 @@ def make_case(gen: torch.Generator, n: int, vocab: int, hidden: int | None, rot:
     T = n + 1
     C = positions + 8
     start = int(torch.randint(0, positions - n, (1,), generator=gen)) if positions > n else 0
-    if gen.initial_seed() % 2:
+    if float(torch.rand(1, generator=gen)) < 0.5:
         start = positions - 1 - n  # the last node at the table's last position
     tokens = torch.randint(0, vocab, (C,), generator=gen)
     tokens[start] = vocab - 1
