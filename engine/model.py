@@ -382,11 +382,12 @@ class Transformer(nn.Module):
         """Run T new tokens after the cache's committed prefix.
 
         tokens, positions [B, T]; node_mask [T, T] bool: the new rows each new row sees (every new row sees the
-        whole committed prefix), or [B, T, T] when each sequence has its own tree (a cache with own lengths); schedule: what Gated DeltaNet layers follow instead of the mask (a tree's,
-        kernels.gated_delta.tree_schedule; None: a chain). Writes the new rows at slots
-        start..start+T-1 (keeping them is the caller's business: cache.keep). Returns the final-normed hidden states
-        [B, T, hidden] and the concatenated outputs of the `capture` layers [B, T, len(capture) * hidden] (None when
-        nothing is captured).
+        whole committed prefix), or [B, T, T] when each sequence has its own tree (a cache with own lengths);
+        schedule: what Gated DeltaNet layers follow instead of the mask (a tree's, kernels.gated_delta.tree_schedule;
+        None: a chain). Writes the new rows at slots start..start+T-1 (keeping them is the caller's business:
+        cache.keep). Returns the final-normed hidden states [B, T, hidden] and the concatenated outputs of the
+        `capture` layers [B, T, len(capture) * hidden] (None when nothing is captured). A single sequence's verify
+        pass goes through `verify`, whose inputs come from one kernel.
         """
         start = cache.start
         x = self.embed(tokens)
