@@ -177,7 +177,7 @@ def test_run_ahead_reads_the_same_rounds(tiny, method, budget, miss_rate):
 class AddressStableReplay:
     """A CUDA graph stood in for on a CPU, with what matters here: the capture runs the stage's Python (the Round's
     fields then point at the capture's tensors) and the round that captured replays it once (here the capture did
-    that round's work); a later replay writes those same tensors and re-points no Python attribute."""
+    that round's work); a later replay reads and writes those same tensors and re-points no Python attribute."""
 
     def __init__(self, stage):
         self.stage, self.first = stage, True
@@ -190,9 +190,10 @@ class AddressStableReplay:
             return
         decoder = self.stage.__self__
         before = dict(vars(decoder.round))
+        vars(decoder.round).update(self.captured)  # a graph reads the tensors it was captured over
         self.stage()
         for name, produced in vars(decoder.round).items():
-            if produced is not before[name]:  # the stage assigned this field: a graph writes the captured tensors
+            if produced is not self.captured[name]:  # the stage assigned this field: a graph writes the captured ones
                 _copy_into(self.captured[name], produced)
         vars(decoder.round).update(before)
 
@@ -208,10 +209,11 @@ def _copy_into(dst, src):
 @pytest.mark.cpu
 @pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 6)])
 def test_graph_replays_report_what_the_graphs_wrote(tiny, monkeypatch, method, budget):
-    """A decoder whose graphs were captured in an earlier call runs each call's first round eagerly (re-pointing the
-    Round's fields at new tensors), then replays: the margins it records, and the stages' inputs, must come from the
-    tensors the graphs write. Stand-in graphs that only write their captured tensors (as CUDA graphs do) catch a
-    decoder that reads the eager round's stale tensors: tokens and margins must equal eager decoding's."""
+    """A decoder whose graphs were captured in an earlier call replays them from each call's first round on, whose
+    draft alone runs eagerly (it reads the prompt's features; its result re-points the Round's field at a new
+    tensor): the margins it records, and the stages' inputs, must come from the tensors the graphs write. Stand-in
+    graphs that only write their captured tensors (as CUDA graphs do) catch a decoder that reads an eager stage's
+    tensors or leaves a graph reading stale ones: tokens, margins and acceptance must equal eager decoding's."""
     import engine.decode
 
     monkeypatch.setattr(engine.decode, "capture_stages",
@@ -219,13 +221,15 @@ def test_graph_replays_report_what_the_graphs_wrote(tiny, monkeypatch, method, b
     target, prompts, refs = tiny
     drafter = engine.OracleDrafter([0], target.model.cfg.vocab_size, 4, device="cpu",
                                    cost=engine.load_drafter("random:1", target, 4), max_length=64)
-    for p, r in zip(prompts, refs):
-        drafter.add_reference(p, r.tokens, miss_rate=0.3)
     decoder = engine.Decoder(target.model, drafter if method != "ar" else None, engine.DecodeSettings(method, budget))
     decoder.cuda_graphs, decoder.run_ahead = True, False  # (no pinned buffers and events on a CPU)
+    eager = engine.Decoder(target.model, decoder.drafter, engine.DecodeSettings(method, budget), cuda_graphs=False)
     for _ in range(2):  # the first call captures; the second replays graphs captured in the first
         for prompt, ref in zip(prompts, refs):
+            drafter.set_reference(prompt + ref.tokens, miss_rate=0.3)
             got = decoder.generate(prompt, NEW_TOKENS, record_margins=True)
             assert got.tokens == ref.tokens
+            assert got.acceptance_lengths == eager.generate(prompt, NEW_TOKENS).acceptance_lengths
+            assert method == "ar" or max(got.acceptance_lengths) > 1  # the draft's proposals reach the verify
             assert got.margins == pytest.approx(ref.margins, abs=1e-4)  # float32: verify rows round otherwise
     assert decoder.graphs is not None

@@ -374,18 +374,22 @@ class Decoder:
         done = len(out) >= max_new_tokens or out[-1] in stop
         plant = planted_slowdown(dev)  # ENGINE_PLANT_SLOWDOWN: the perf gate's calibrated test regression
         while not done:
-            # Round 0 reads the prompt's features, round 1 warms up the static buffers, then graphs take over.
+            # The first call runs rounds 0 and 1 eagerly (round 1 warms up the static buffers), then captures the
+            # graphs. From then on every round replays them, round 0 too, but for its draft: that reads the prompt's
+            # features, a shape of its own, so it runs eagerly and its logits go into the buffer the graphs read.
             if use_graphs and launched == 2 and self.graphs is None:
                 self._capture_graphs()
-            replay = use_graphs and launched >= 1 and self.graphs is not None
-            if replay:  # an eager round (each call's first) re-points the fields; the host reads what graphs write
+            replay = use_graphs and self.graphs is not None
+            if replay:  # an eager round re-points the fields; the host reads what graphs write
                 self.round = replace(self.captured_round)
             for name, stage in self._stages().items():
                 with timer.stage(name):
-                    if replay:
+                    if replay and not (name == "draft" and launched == 0):
                         self.graphs[name].replay()
                     else:
                         stage()
+                        if replay:
+                            self.round.draft_logits = self.captured_round.draft_logits.copy_(self.round.draft_logits)
             if self.speculative and launched == 0:
                 self.draft_input = DraftInput(s.tokens, s.cache.start, s.features, s.n_features, self.draft_depth)
             slot = launched % 2
