@@ -293,6 +293,21 @@ def test_dispatchers_use_the_references_on_cpu(monkeypatch):
 
 
 @pytest.mark.cpu
+def test_rmsnorm_writes_into_out():
+    """`out` receives the norm, as the draft's layers write their block rows after the context rows of one buffer:
+    a contiguous part of it (one sequence) and a strided one (several) alike; the rows around stay untouched."""
+    gen = torch.Generator().manual_seed(8)
+    w = rand(gen, 40, dtype=torch.float32)
+    for batch in (1, 3):
+        x, res = rand(gen, batch, 4, 40, dtype=torch.float32), rand(gen, batch, 4, 40, dtype=torch.float32)
+        buf = torch.full((batch, 6, 40), float("nan"))
+        y, h = rmsnorm(x, w, EPS, res, out=buf[:, 2:])
+        want_y, want_h = rmsnorm_reference(x, w, EPS, res)
+        assert y.data_ptr() == buf[:, 2:].data_ptr() and torch.equal(buf[:, 2:], want_y) and torch.equal(h, want_h)
+        assert buf[:, :2].isnan().all()
+
+
+@pytest.mark.cpu
 def test_shape_errors():
     pytest.importorskip("triton")
     x = torch.zeros(2, 8)

@@ -206,7 +206,7 @@ class Decoder:
         if self.speculative:
             draft = getattr(self.drafter, "draft", None)
             draft_cache = 0 if draft is None else 2 * draft.dcfg.layers.num_layers * draft.dcfg.layers.num_kv_heads \
-                * draft.dcfg.layers.head_dim * capacity * dtype_size
+                * draft.dcfg.layers.head_dim * (capacity + self.block_size) * dtype_size  # (DFlashDrafter.start)
             parts["draft"] = 3 * (self.block_size - 1) * cfg.vocab_size * 4 + draft_cache
         return parts
 

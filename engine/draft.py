@@ -136,7 +136,7 @@ class DFlashDrafter(Drafter):
         self.rotary = Rotary(dcfg.layers.hf, dcfg.layers.head_dim, target.device)
         self.cache: ModelCache | None = None
         dev = target.device
-        self.block_offsets = torch.arange(max(self.block_size, 1), device=dev)
+        self.row_layout = _row_layout(self.block_size, self.block_size, dev)  # later calls' n = block_size rows
         self.block_visible = torch.ones(self.block_size, self.block_size, dtype=torch.bool, device=dev)
         self.block_visible_rows = visible_rows(self.block_visible)  # once, not per layer and round
         self.mask_ids = torch.full((max(self.block_size - 1, 0),), self.mask_token_id, dtype=torch.long, device=dev)
@@ -145,6 +145,7 @@ class DFlashDrafter(Drafter):
         """sequences=None: one sequence; B: B sequences, each with its own context length (batched decoding)."""
         batch, own = (1, False) if sequences is None else (sequences, True)
         c = self.cache
+        capacity += self.block_size  # slack past the block for the context's padding rows (propose)
         if c is None or c.capacity < capacity or c.k.shape[1] != batch or (c.start.dim() == 1) != own:
             cfg = self.draft.dcfg.layers
             layers = self.draft.layers  # the rank's KV heads, where engine.parallel sharded them
@@ -161,41 +162,47 @@ class DFlashDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, inp: DraftInput) -> torch.Tensor:
-        block, dev = self.block_size, self.target.device
-        ctx = self.draft.hidden_norm(self.draft.fc(inp.features))[0]         # [B, n, hidden]
-        B, n = ctx.shape[:2]
+        block, draft = self.block_size, self.draft
+        fc_out = draft.fc(inp.features)                                       # [B, n, hidden]
+        B, n, hidden = fc_out.shape
         cache = self.cache if inp.length.dim() == 0 or B == self.cache.start.shape[0] else self.cache.rows(0, B)
-        # Context rows go to slots start..start+n-1 (padding rows past n_features included); the block follows the
-        # real context and overwrites the padding. Slot = absolute position: the context is contiguous. With several
-        # sequences, start, n_features and length hold one value each, and positions and slots are per sequence.
-        start = cache.start.unsqueeze(-1)                                     # [1] or [B, 1]
-        ctx_pos = start + torch.arange(n, device=dev)                         # [n] or [B, n]
+        # Every layer's qkv GEMM reads the context rows, then the block's normed rows: one buffer, the context
+        # written once, each layer's input norm writing the block's part.
+        rows_in = fc_out.new_empty(B, n + block, hidden)
+        draft.hidden_norm(fc_out, out=rows_in[:, :n])
+        # Slot = absolute position: context row j at start + j, block row i at start + n_features + i, where the
+        # real context ends. A context padding row (j >= n_features) goes past the block, to start + j + block, in
+        # the cache's slack: no one reads it, and one kernel stores every row of a layer without a race.
+        offsets, is_block = self.row_layout if n == block else _row_layout(n, block, fc_out.device)
+        start, n_features = cache.start.unsqueeze(-1), inp.n_features.unsqueeze(-1)   # [1] or [B, 1]
+        pos = start + offsets + torch.where(is_block, n_features, (offsets >= n_features) * block)  # [(B,) n + block]
+        cos, sin = self.rotary(pos if pos.dim() == 2 else pos.expand(B, -1), fc_out.dtype, bound=cache.capacity)
         block_start = cache.start + inp.n_features
-        block_pos = block_start.unsqueeze(-1) + self.block_offsets[:block]    # [block] or [B, block]
         bonus = inp.tokens.gather(1, inp.length.view(-1, 1).expand(B, 1))     # [B, 1]
         x = self.target.embed(torch.cat((bonus, self.mask_ids.expand(B, -1)), dim=1))
-        positions = lambda pos: pos if pos.dim() == 2 else pos.expand(B, -1)  # noqa: E731
-        cos_c, sin_c = self.rotary(positions(ctx_pos), x.dtype, bound=cache.capacity)  # positions = cache slots
-        cos_b, sin_b = self.rotary(positions(block_pos), x.dtype, bound=cache.capacity)
         pending = None  # the last MLP output, added to x inside the next norm (as the target's blocks do)
-        for layer, layer_cache, window in zip(self.draft.layers, cache.layers, self.windows):
+        for layer, layer_cache, window in zip(draft.layers, cache.layers, self.windows):
             attn = layer.self_attn
-            h, x = layer.input_layernorm(x, pending)
-            # One qkv GEMM over the context rows and the block: the weight is read once. The context's keys and
-            # values are stored first, then the block's, which overwrite the context's padding rows.
-            qkv = linear(torch.cat((ctx, h), dim=1), attn.qkv_weight, attn.qkv_bias, attn.skinny)
-            attn.heads(qkv[:, :n], cos_c, sin_c, layer_cache, ctx_pos)
-            q, _ = attn.heads(qkv[:, n:], cos_b, sin_b, layer_cache, block_pos)
+            _, x = layer.input_layernorm(x, pending, out=rows_in[:, n:])
+            # One qkv GEMM, and one kernel for RoPE and the cache store, over the context rows and the block
+            qkv = linear(rows_in, attn.qkv_weight, attn.qkv_bias, attn.skinny)
+            q = attn.heads(qkv, cos, sin, layer_cache, pos)[0][:, :, n:]  # the block's queries
             if window is None:
                 o = attn.attend(q, layer_cache, block_start, self.block_visible, self.block_visible_rows)
             else:
-                o = _windowed_attention(q, layer_cache, block_pos, window)
+                o = _windowed_attention(q, layer_cache, pos[..., n:], window)
             h, x = layer.post_attention_layernorm(attn.out(o), x)
             pending = layer.mlp(h)
         cache.start.add_(inp.n_features)  # keep the context rows, drop the block's
         end = block if inp.depth is None else 1 + inp.depth  # the LM head only over the positions the round reads
-        logits = self.target.logits(self.draft.norm(pending[:, 1:end], x[:, 1:end])[0])
+        logits = self.target.logits(draft.norm(pending[:, 1:end], x[:, 1:end])[0])
         return logits if inp.length.dim() else logits[0]
+
+
+def _row_layout(n: int, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For n context rows and the block after them: each row's offset in its part, and whether it is a block row."""
+    offsets = torch.cat((torch.arange(n, device=device), torch.arange(block, device=device)))
+    return offsets, torch.arange(n + block, device=device) >= n
 
 
 def _windowed_attention(q, layer_cache, block_pos, window: int) -> torch.Tensor:

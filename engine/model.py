@@ -45,12 +45,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the residual add is fused into the norm's kernel, and under
-        tensor parallelism the all-reduce of a Partial x too (engine.parallel)."""
+        tensor parallelism the all-reduce of a Partial x too (engine.parallel). `out`, if given, receives the norm."""
         if isinstance(x, Partial):
-            return x.tp.all_reduce_rmsnorm(x, self.weight, self.eps, residual)
-        return rmsnorm(x, self.weight, self.eps, residual)
+            y, h = x.tp.all_reduce_rmsnorm(x, self.weight, self.eps, residual)
+            return (y, h) if out is None else (out.copy_(y), h)
+        return rmsnorm(x, self.weight, self.eps, residual, out=out)
 
     def linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
                glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -406,12 +406,17 @@ def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> t
 
 # ---------------------------------------------------------------------------------------------------- dispatchers
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, h): the Triton kernel for CUDA tensors, else the reference (see the module docstring)."""
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h): the Triton kernel for CUDA tensors, else the reference (see the module docstring). `out`, if given,
+    receives y (the kernel writes it there when it is contiguous, else y is copied into it)."""
     if _use_triton(x, weight) and weight.dtype == x.dtype:
-        return rmsnorm_triton(x, weight, eps, residual)
-    return rmsnorm_reference(x, weight, eps, residual)
+        if out is None or out.is_contiguous():
+            return rmsnorm_triton(x, weight, eps, residual, out=out)
+        y, h = rmsnorm_triton(x, weight, eps, residual)
+    else:
+        y, h = rmsnorm_reference(x, weight, eps, residual)
+    return (y, h) if out is None else (out.copy_(y), h)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
