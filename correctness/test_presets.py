@@ -52,3 +52,31 @@ def test_small_synthetic_pair_is_lossless():
         drafter = engine.load_drafter("default", target)
         result = engine.Decoder(target.model, drafter, engine.DecodeSettings(method)).generate(prompt, 12)
         assert result.tokens == ref.tokens
+
+
+def test_weights_are_allocated_once_in_the_model_dtype():
+    """A model's weights are allocated in the dtype it runs in, never first in float32 (a 27B model in float32 is
+    108 GB: loading it for bfloat16 ran out of an 80 GB GPU's memory)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine.loading import _empty
+    from engine.model import Transformer
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.device.type == "cpu":
+                self.bytes[out.dtype] = self.bytes.get(out.dtype, 0) + out.numel() * out.element_size()
+            return out
+
+    cfg = ModelConfig.from_hf(_hf_config(SYNTHETIC_PRESETS["hybrid-tiny"], "hybrid-tiny"))
+    with Allocations() as seen:
+        model = _empty(lambda: Transformer(cfg), "cpu", torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert seen.bytes.get(torch.float32, 0) == 0, f"float32 allocations of {seen.bytes} for {weights} bytes of weights"
+    assert seen.bytes[torch.bfloat16] >= weights
