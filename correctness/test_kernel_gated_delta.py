@@ -259,7 +259,30 @@ def _interp_conv_norm() -> str:
     return "4 conv cases, 2 norm cases"
 
 
-CHECKS = {"delta": _interp_delta, "conv_norm": _interp_conv_norm}
+def check_schedule(gen, kind: str, T: int, K: int, device="cpu", max_depth: int | None = None) -> None:
+    """The one-launch schedule equals the reference's tensors exactly (a bool or an int mask, poisoned outputs are
+    impossible to leave: every element is written or the comparison fails on torch.empty's garbage)."""
+    parents = random_tree(kind, T, gen)
+    mask = ancestor_mask(parents)
+    depth = depth_of(parents) if max_depth is None else max_depth
+    want = gd.tree_schedule_reference(parents, mask, T, K, "cpu", max_depth=depth)
+    for m in (mask.to(device), mask.to(torch.int32).to(device)):
+        got = gd.tree_schedule_triton(parents.to(device), m, T, K, max_depth=depth)
+        for name in ("ancestors", "paths", "lengths", "starts"):
+            g, w = getattr(got, name).cpu(), getattr(want, name)
+            assert g.dtype == w.dtype and torch.equal(g, w), f"{kind} T={T} K={K} {name}:\n{g}\nwant\n{w}"
+
+
+def _interp_schedule() -> str:
+    gen = torch.Generator().manual_seed(13)
+    cases = [(kind, T, K) for kind, T in CASES if T <= 65 for K in (4, 1)] + [("deep", 129, 4), ("chain", 16, 3)]
+    for kind, T, K in cases:
+        check_schedule(gen, kind, T, K)
+    check_schedule(gen, "chain", 20, 4, max_depth=7)  # rows deeper than max_depth: their paths are cut
+    return f"{len(cases) + 1} schedule cases"
+
+
+CHECKS = {"delta": _interp_delta, "conv_norm": _interp_conv_norm, "schedule": _interp_schedule}
 
 
 @pytest.mark.cpu
@@ -277,8 +300,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or gd.triton is No
 @pytest.mark.parametrize("kind,T", [("chain", 1), ("chain", 16), ("bushy", 16), ("bushy", 65), ("deep", 65),
                                     ("star", 65), ("padded", 33), ("bushy", 257)])
 def test_tree_recurrence_on_gpu_at_the_27b_shape(kind, T):
-    """Qwen3.6-27B's Gated DeltaNet shape (16 key heads, 48 value heads of 128 x 128), bfloat16 inputs."""
+    """Qwen3.6-27B's Gated DeltaNet shape (16 key heads, 48 value heads of 128 x 128), bfloat16 inputs; the
+    schedule's kernel (which the checks below run on) against its reference."""
     gen = torch.Generator().manual_seed(T + len(kind))
+    check_schedule(gen, kind, T, 4, "cuda")
     check_delta(gen, 1, T, 16, 48, 128, 128, kind, torch.bfloat16, "cuda", steps=4)
     check_conv(gen, 1, T, 2 * 16 * 128 + 48 * 128, 4, kind, torch.bfloat16, "cuda")
     check_norm(gen, 1, T, 48, 128, torch.bfloat16, "cuda")

@@ -267,6 +267,9 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     width = f", tensor-parallel width {tp.world} (roofline per rank)" if tp else ""
     print(f"\ntarget {target.name}, draft {draft_name}, {device} {str(dtype).removeprefix('torch.')}{width}, "
           f"lengths {lengths}, workloads {','.join(chosen)}, acceptance {acceptance}")
+    # Which tree ran: `python -m` puts the working directory before PYTHONPATH, so an A/B of two copies must start
+    # each side in its own tree; this line shows where it did not.
+    print(f"code: {Path(__file__).resolve().parent}")
     if roofline:
         print(f"roofline: {bandwidth / 1e12:.2f} TB/s measured copy bandwidth / {weight_bytes(target.model) / 1e9:.2f}"
               f" GB of weights = {roofline:.0f} AR tok/s")

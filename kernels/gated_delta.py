@@ -194,9 +194,17 @@ def tree_schedule(parents: torch.Tensor | None, node_mask: torch.Tensor | None, 
                   max_depth: int = 15) -> TreeSchedule:
     """The schedule of T rows with these parents (node_mask[i, j]: row j is row i or an ancestor of it; max_depth:
     the deepest row's depth below a root). A row's first child (lowest index) continues its chain; every other
-    child, and every root, heads a new one; each leaf ends one. All on the device (a CUDA graph may hold it)."""
+    child, and every root, heads a new one; each leaf ends one. All on the device (a CUDA graph may hold it): one
+    Triton launch on a GPU (a verify pass builds it every round), the PyTorch reference elsewhere."""
     if parents is None:
         return chain_schedule(T, kernel, device)
+    if _use_triton(parents):
+        return tree_schedule_triton(parents, node_mask, T, kernel, max_depth)
+    return tree_schedule_reference(parents, node_mask, T, kernel, device, max_depth)
+
+
+def tree_schedule_reference(parents: torch.Tensor, node_mask: torch.Tensor, T: int, kernel: int, device,
+                            max_depth: int = 15) -> TreeSchedule:
     ids = torch.arange(T, device=device)
     mask = node_mask.bool()
     depth = mask.long().sum(1) - 1
@@ -384,6 +392,41 @@ if triton is not None:
                 tl.store(state_out + tile, cur, mask=tmask)
 
     @triton.jit
+    def _tree_schedule_kernel(parents, mask, s_mask, scratch, ancestors, paths, lengths, starts, T, D,
+                              K1: tl.constexpr, TP: tl.constexpr, BR: tl.constexpr):
+        """One program: every row's depth and first child (into scratch), then by blocks of BR rows the chain
+        heads, paths, lengths and conv ancestors, as tree_schedule_reference computes them."""
+        cols = tl.arange(0, TP)
+        cm = cols < T
+        par = tl.load(parents + cols, mask=cm, other=-2)  # -2: past the rows, nobody's child
+        for r0 in range(0, T, BR):
+            rows = r0 + tl.arange(0, BR)
+            rm = rows < T
+            m = tl.load(mask + rows[:, None] * s_mask + cols[None, :], mask=rm[:, None] & cm[None, :], other=0) != 0
+            tl.store(scratch + rows, tl.sum(m.to(tl.int32), axis=1) - 1, mask=rm)
+            child = par[None, :] == rows[:, None]
+            tl.store(scratch + TP + rows, tl.min(tl.where(child, cols[None, :], T), axis=1), mask=rm)
+        tl.debug_barrier()
+        depth = tl.load(scratch + cols, mask=cm, other=-1)
+        first_of_parent = tl.load(scratch + TP + tl.maximum(par, 0), mask=cm, other=0)
+        head_depth = tl.where((par < 0) | (first_of_parent != cols), depth, 0)
+        for r0 in range(0, T, BR):
+            rows = r0 + tl.arange(0, BR)
+            rm = rows < T
+            m = tl.load(mask + rows[:, None] * s_mask + cols[None, :], mask=rm[:, None] & cm[None, :], other=0) != 0
+            tl.store(starts + rows, tl.max(tl.where(m, head_depth[None, :], 0), axis=1), mask=rm)
+            leaf = tl.load(scratch + TP + rows, mask=rm, other=0) == T
+            tl.store(lengths + rows, tl.where(leaf, tl.load(scratch + rows, mask=rm, other=0) + 1, 0), mask=rm)
+            for d in range(0, D):  # a row's path: the ancestor (or itself) at each depth
+                at = m & (depth[None, :] == d)
+                tl.store(paths + rows * D + d, tl.max(tl.where(at, cols[None, :], 0), axis=1), mask=rm)
+            cur = rows + K1  # an index into [window slots, rows], walked up K1 times
+            for i in tl.static_range(K1):
+                p = tl.load(parents + cur - K1, mask=rm & (cur >= K1), other=0)
+                cur = tl.where(cur < K1, tl.maximum(cur - 1, 0), tl.where(p < 0, K1 - 1, p + K1))
+                tl.store(ancestors + rows * K1 + i, cur.to(tl.int64), mask=rm)
+
+    @triton.jit
     def _causal_conv_kernel(x, window, weight, anc, y, T, C, s_xb, s_xt, s_wb, s_wc, s_yb, s_yt,
                             K: tl.constexpr, BLOCK_C: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
@@ -452,6 +495,24 @@ def gated_delta_triton(mixed, a, b, A_log, dt_bias, dims: DeltaDims, state, sche
         o.stride(0), o.stride(1), paths.stride(0), int(state_out is not None), dims.key_dim ** -0.5,
         KH=dims.key_heads, HV=dims.value_heads, DK=dims.key_dim, DV=dims.value_dim, DKP=next_pow2(dims.key_dim),
         BV=bv, num_warps=WARPS, enable_fp_fusion=FP_FUSION)
+
+
+def tree_schedule_triton(parents: torch.Tensor, node_mask: torch.Tensor, T: int, kernel: int, max_depth: int = 15
+                         ) -> TreeSchedule:
+    """tree_schedule_reference in one launch (it is a dozen small PyTorch kernels and as many gaps)."""
+    device = parents.device
+    mask = node_mask if node_mask.dtype != torch.bool else node_mask.view(torch.uint8)
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    D, K1, TP = max_depth + 1, max(kernel - 1, 0), next_pow2(T)
+    scratch = torch.empty(2 * TP, dtype=torch.int32, device=device)
+    ancestors = torch.empty(T, K1, dtype=torch.long, device=device)
+    paths = torch.empty(T, D, dtype=torch.int32, device=device)
+    lengths = torch.empty(T, dtype=torch.int32, device=device)
+    starts = torch.empty(T, dtype=torch.int32, device=device)
+    _tree_schedule_kernel[(1,)](parents, mask, mask.stride(0), scratch, ancestors, paths, lengths, starts, T, D,
+                                K1=K1, TP=TP, BR=min(TP, 16), num_warps=4)
+    return TreeSchedule(parents, ancestors, paths, lengths, starts)
 
 
 def causal_conv_triton(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor, ancestors: torch.Tensor
