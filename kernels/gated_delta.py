@@ -27,7 +27,9 @@ The layer's path (what engine/gated_delta.py calls), a Triton kernel for CUDA te
 tree_schedule(parents [T] | None, node_mask [T, T] | None, T, kernel, device, max_depth) -> TreeSchedule
     Once per forward pass, shared by all Gated DeltaNet layers: each row's conv ancestors, and the tree cut into
     chains (a row and its first children down to a leaf), one per leaf: a chain's program replays the rows above
-    its head from the committed state (no outputs), then runs the chain's rows (outputs).
+    its head from the committed state (no outputs), then runs the chain's rows (outputs). On a GPU one Triton
+    launch (`_tree_schedule_kernel`, one program) computes what tree_schedule_reference's dozen PyTorch ops do, to
+    the same integers.
 
 causal_conv(x [B, T, C], weight [C, K], window [B, C, K-1], schedule) -> SiLU(conv) [B, T, C]
 gated_delta_rule(mixed [B, T, C], a, b [B, T, Hv], A_log, dt_bias [Hv], dims, state, schedule, state_out=None)
