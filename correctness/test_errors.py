@@ -737,6 +737,26 @@ def test_budget_too_large_for_memory(target, dirs, capsys):
                      mentions="needs about")
 
 
+def test_weights_too_large_for_the_device(dirs, monkeypatch, capsys):
+    """A model or draft whose weights exceed the device's free memory is one error with both sizes, raised before
+    anything is allocated (a CUDA out-of-memory traceback otherwise)."""
+    import engine.loading
+
+    target = load_target(str(dirs["target"]), device="cpu", dtype=torch.float32)
+    monkeypatch.setattr(engine.loading, "available_bytes", lambda device: 1000)
+    for load, name in ((lambda: load_target(str(dirs["target"]), device="cpu", dtype=torch.float32), "target"),
+                       (lambda: load_target("synthetic:hybrid-tiny", device="cpu", dtype=torch.bfloat16),
+                        "synthetic:hybrid-tiny"),
+                       (lambda: load_drafter(str(dirs["draft"]), target), "draft"),
+                       (lambda: load_drafter("random:2", target), "random:2 draft")):
+        with pytest.raises(EngineError) as e:
+            load()
+        assert_one_line(e, name)
+        assert "weights take" in str(e.value) and "free" in str(e.value)
+    assert_cli_error(capsys, "--target", str(dirs["target"]), "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
+                     mentions="weights take")
+
+
 def test_block_size_beyond_the_position_limit(dirs, capsys):
     assert_cli_error(capsys, "--target", str(dirs["target"]), "--prompt-ids", "1,2,3", "--method", "dflash",
                      "--draft", str(dirs["draft"]), "--block-size", str(10 ** 6),

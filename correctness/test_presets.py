@@ -75,7 +75,7 @@ def test_weights_are_allocated_once_in_the_model_dtype():
 
     cfg = ModelConfig.from_hf(_hf_config(SYNTHETIC_PRESETS["hybrid-tiny"], "hybrid-tiny"))
     with Allocations() as seen:
-        model = _empty(lambda: Transformer(cfg), "cpu", torch.bfloat16)
+        model = _empty(lambda: Transformer(cfg), "cpu", torch.bfloat16, "hybrid-tiny")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert seen.bytes.get(torch.float32, 0) == 0, f"float32 allocations of {seen.bytes} for {weights} bytes of weights"

@@ -17,6 +17,7 @@ import torch
 from .config import HYBRID_MODEL_TYPES, LAYER_TYPES, SUPPORTED_MODEL_TYPES, ModelConfig, check_full_attention
 from .draft import DFlashDraftModel, DFlashDrafter, DraftConfig, Drafter, default_target_layer_ids, draft_config
 from .errors import EngineError
+from .memory import available_bytes, gib
 from .model import Transformer
 from .parallel import shard_draft, shard_draft_wanted
 from .presets import SYNTHETIC_DRAFT_LAYERS, SYNTHETIC_PRESETS
@@ -121,12 +122,13 @@ def _with_weight_flags(cfg: ModelConfig, keys: set[str]) -> ModelConfig:
     )
 
 
-def _empty(factory, device, dtype) -> torch.nn.Module:
+def _empty(factory, device, dtype, what: str) -> torch.nn.Module:
     """The module's structure on `device` with uninitialized weights (the caller fills them). Built on the meta
     device with torch.nn.init's functions switched off: initializing meta tensors is wasted work, and it goes through
     PyTorch's decompositions, whose first use imports torch._dynamo (1.3 s of a process's start on a 2-core CPU).
     The dtype is set on the meta device, so the weights are allocated once, in `dtype`: materialising them in
-    float32 first put a 27B model at 108 GB, past an 80 GB GPU."""
+    float32 first put a 27B model at 108 GB, past an 80 GB GPU. Weights that cannot fit the device's free memory
+    are one error naming `what`, before any allocation."""
     saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
     try:
         for name in _INIT_FUNCTIONS:
@@ -136,7 +138,13 @@ def _empty(factory, device, dtype) -> torch.nn.Module:
     finally:
         for name, f in saved.items():
             setattr(torch.nn.init, name, f)
-    return module.to(dtype).to_empty(device=device)
+    module = module.to(dtype)
+    need = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    free = available_bytes(device)
+    if free is not None and need > free:
+        raise EngineError(f"{what}: its weights take {gib(need)} in {str(dtype).removeprefix('torch.')}, and "
+                          f"{device} has {gib(free)} free")
+    return module.to_empty(device=device)
 
 
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
@@ -289,7 +297,7 @@ def load_hf_target(path: Path, device, dtype, name: str) -> Target:
     eos = _generation_eos(path)
     if eos:
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
-    model = _tie(_empty(lambda: Transformer(cfg), device, dtype))
+    model = _tie(_empty(lambda: Transformer(cfg), device, dtype, f"target {name}"))
     _fill(model, files, str(path))
     if cfg.norm_offset:
         _shift_norms(model)
@@ -328,7 +336,7 @@ def synthetic_target(preset: str, device, dtype, seed: int = 0) -> Target:
     if preset not in SYNTHETIC_PRESETS:
         raise EngineError(f"unknown synthetic preset {preset!r} (choose from {', '.join(SYNTHETIC_PRESETS)})")
     cfg = ModelConfig.from_hf(_hf_config(SYNTHETIC_PRESETS[preset], f"synthetic:{preset}"))
-    model = _tie(_empty(lambda: Transformer(cfg), device, dtype))
+    model = _tie(_empty(lambda: Transformer(cfg), device, dtype, f"synthetic:{preset}"))
     _randomize(model, seed)
     # Spread the logits (std ~0.5 * sqrt(hidden)) so that greedy choices are rarely near-ties in bf16, as in
     # trained models; timing does not depend on weight values.
@@ -444,7 +452,8 @@ def random_draft(target: Target, layers: int, seed: int = 0) -> DFlashDraftModel
     """A DFlash draft with random weights shaped for the target (real cost, near-zero acceptance)."""
     tcfg = target.model.cfg
     dcfg = draft_config(tcfg, layers, block_size=16, mask_token_id=tcfg.vocab_size - 1)
-    draft = _empty(lambda: DFlashDraftModel(dcfg), target.model.device, target.model.dtype)
+    draft = _empty(lambda: DFlashDraftModel(dcfg), target.model.device, target.model.dtype,
+                   f"random:{layers} draft for {target.name}")
     _randomize(draft, seed + 1)
     return draft
 
@@ -508,7 +517,7 @@ def load_dflash_draft(path: Path, target: Target) -> DFlashDraftModel:
         raise EngineError(f"draft {path} does not fit target {target.name}: {'; '.join(problems)}")
     dcfg = DraftConfig(cfg, block_size=raw.get("block_size", 16), mask_token_id=mask_id, target_layer_ids=tuple(ids),
                        sliding_window=tuple(window if t == "sliding_attention" else None for t in layer_types))
-    draft = _empty(lambda: DFlashDraftModel(dcfg), target.model.device, target.model.dtype)
+    draft = _empty(lambda: DFlashDraftModel(dcfg), target.model.device, target.model.dtype, f"draft {path}")
     _fill(draft, files, f"draft {path}")
     return draft
 
