@@ -10,9 +10,10 @@ the generation's GPU timeline had a kernel running and where it idled (short gap
 ones: the GPU waiting for the host). --by-stage instead
 replays each captured stage's graph alone (draft, tree, verify, commit) and prints each stage's kernels in
 microseconds per replay; --concurrency C decodes C prompts at once (engine.batch.BatchDecoder) and profiles the
-graphs of the full batch. --by-stage also prints each replay's wall time against the sum of its kernels (the gap is
-time the GPU waits: launch latency, dependencies, a peer in a collective), the kernel time by kind, and for each
-kernel the idle time just before it (which launches the GPU waits for). --tp N runs under torchrun, every rank alike
+graphs of the full batch. --by-stage also prints each replay's wall time (a replay timed alone, its own launch included), its span on
+the profiler's timeline and the time in it with no kernel running (what the GPU waits for: launch latency,
+dependencies, a peer in a collective; kernels that overlap under PDL count once), the kernel time by kind, and
+for each kernel the idle time just before it (which launches the GPU waits for). --tp N runs under torchrun, every rank alike
 (the collectives need them all), and rank 0 prints; --trace FILE writes rank 0's timeline of the stage replays for
 chrome://tracing or Perfetto.
 
@@ -111,6 +112,19 @@ def busy_and_gaps(kernels, long_gap_us: float = 20.0) -> tuple[float, float, flo
     return end - first, busy, short, long
 
 
+def replay_span_and_idle(kernels, replays: int) -> tuple[float, float]:
+    """Median over `replays` identical replays (kernels (name, start, end) in us, in any order) of a replay's span,
+    its first kernel's start to its last kernel's end, and of the time in that span with no kernel running."""
+    ordered = sorted(kernels, key=lambda k: k[1])
+    n = max(1, len(ordered) // replays)
+    spans, idles = [], []
+    for i in range(0, n * replays, n):
+        span, busy, _, _ = busy_and_gaps(ordered[i:i + n])
+        spans.append(span)
+        idles.append(span - busy)
+    return sorted(spans)[len(spans) // 2], sorted(idles)[len(idles) // 2]
+
+
 def wall_us(graph, replays: int) -> float:
     """Median wall time of one replay, in microseconds (CUDA events around each)."""
     times = []
@@ -141,14 +155,18 @@ def stage_table(graphs: dict, replays: int, rows: int, show: bool = True, trace:
         if not show:
             continue
         cuda = torch.autograd.DeviceType.CUDA
-        idle = idle_before([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                            if e.device_type == cuda], replays)
+        timeline = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == cuda]
+        idle = idle_before(timeline, replays)
+        span, idle_in_span = replay_span_and_idle(timeline, replays)
         events = [e for e in prof.key_averages() if e.device_type == cuda]
         events.sort(key=lambda e: e.device_time_total, reverse=True)
         total = sum(e.device_time_total for e in events) / replays
         launches = sum(e.count for e in events) // replays
-        print(f"\n{name}: {wall:.1f} us a replay (median wall), {total:.1f} us of kernels in {launches} launches, "
-              f"{wall - total:.1f} us without a kernel running")
+        # The wall of a replay timed alone includes its launch; a round's replays follow one another, so the span
+        # on the profiler's timeline and the idle time inside it are what a round pays.
+        print(f"\n{name}: {wall:.1f} us a replay (median wall, alone), {span:.1f} us from its first kernel to its last,"
+              f" {idle_in_span:.1f} us of that without a kernel running; {total:.1f} us of kernels in {launches} "
+              f"launches")
         by_kind: dict[str, list[float]] = {}
         for e in events:
             kind = by_kind.setdefault(kernel_kind(e.key), [0.0, 0])

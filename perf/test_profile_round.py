@@ -2,7 +2,7 @@
 kernel kinds of its per-stage sums."""
 import pytest
 
-from perf.profile_round import busy_and_gaps, idle_before, kernel_kind
+from perf.profile_round import busy_and_gaps, idle_before, kernel_kind, replay_span_and_idle
 
 pytestmark = pytest.mark.cpu
 
@@ -71,3 +71,13 @@ def test_solo_shard_runs_rank0s_shapes_and_counts_the_collectives_it_skips(tmp_p
     assert f"{n} in a target forward" in report and f"{n * 10.0 / 1e3:.2f} ms" in report
     out = decoder.generate([5, 7, 11], 6)
     assert len(out.tokens) == 6 and all(0 <= t < cfg.vocab_size for t in out.tokens)
+
+
+def test_replay_span_and_idle_take_each_replay_alone():
+    """The launch between replays is no replay's idle time; overlapping kernels count once; medians of the replays."""
+    replay = [("gemm", 0.0, 10.0), ("norm", 10.8, 12.0), ("attn", 11.5, 20.0), ("gemm", 20.0, 30.0)]
+    slow = [(name, start + 100.0, end + 100.0 + (5.0 if name == "attn" else 0.0)) for name, start, end in replay]
+    late = [(name, start + 300.0 + (2.0 if start >= 20 else 0.0), end + 300.0 + (2.0 if start >= 20 else 0.0))
+            for name, start, end in replay]                  # its last GEMM 2 us late: span 32, idle 2.8
+    span, idle = replay_span_and_idle(list(reversed(replay + slow + late)), replays=3)
+    assert span == pytest.approx(30.0) and idle == pytest.approx(0.8)
