@@ -755,6 +755,12 @@ def test_weights_too_large_for_the_device(dirs, monkeypatch, capsys):
         assert "weights take" in str(e.value) and "free" in str(e.value)
     assert_cli_error(capsys, "--target", str(dirs["target"]), "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
                      mentions="weights take")
+    import argparse
+
+    from engine.cli import _load
+    with pytest.raises(EngineError) as e:  # a rank of a width-2 run: the message says why the whole model counts
+        _load(argparse.Namespace(target=str(dirs["target"]), device="cpu", dtype="float32"), None, tp=object())
+    assert_one_line(e, "each rank loads the whole model")
 
 
 def test_block_size_beyond_the_position_limit(dirs, capsys):

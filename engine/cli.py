@@ -11,7 +11,7 @@ import torch
 
 from . import workloads
 from .decode import METHODS, DecodeSettings, Decoder
-from .errors import EngineError
+from .errors import EngineError, WeightsTooLarge
 from .loading import DEFAULT_TARGET, load_drafter, load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -145,7 +145,13 @@ def _load(args, tp_device, tp):
     from .parallel import shard_target
 
     device, dtype = _device_dtype(args, tp_device)
-    target = load_target(args.target, device, dtype)
+    try:
+        target = load_target(args.target, device, dtype)
+    except WeightsTooLarge as e:
+        if tp is None:
+            raise
+        raise WeightsTooLarge(f"{e} (under tensor parallelism each rank loads the whole model, then keeps its "
+                              f"shard)") from None
     if tp is not None:
         shard_target(target.model, tp)
     return target, device, dtype

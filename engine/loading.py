@@ -16,7 +16,7 @@ import torch
 
 from .config import HYBRID_MODEL_TYPES, LAYER_TYPES, SUPPORTED_MODEL_TYPES, ModelConfig, check_full_attention
 from .draft import DFlashDraftModel, DFlashDrafter, DraftConfig, Drafter, default_target_layer_ids, draft_config
-from .errors import EngineError
+from .errors import EngineError, WeightsTooLarge
 from .memory import available_bytes, gib
 from .model import Transformer
 from .parallel import shard_draft, shard_draft_wanted
@@ -142,7 +142,7 @@ def _empty(factory, device, dtype, what: str) -> torch.nn.Module:
     need = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
     free = available_bytes(device)
     if free is not None and need > free:
-        raise EngineError(f"{what}: its weights take {gib(need)} in {str(dtype).removeprefix('torch.')}, and "
+        raise WeightsTooLarge(f"{what}: its weights take {gib(need)} in {str(dtype).removeprefix('torch.')}, and "
                           f"{device} has {gib(free)} free")
     return module.to_empty(device=device)
 
