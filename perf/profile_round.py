@@ -10,12 +10,12 @@ the generation's GPU timeline had a kernel running and where it idled (short gap
 ones: the GPU waiting for the host). --by-stage instead
 replays each captured stage's graph alone (draft, tree, verify, commit) and prints each stage's kernels in
 microseconds per replay; --concurrency C decodes C prompts at once (engine.batch.BatchDecoder) and profiles the
-graphs of the full batch. --by-stage also prints each replay's wall time (a replay timed alone, its own launch included), its span on
-the profiler's timeline and the time in it with no kernel running (what the GPU waits for: launch latency,
-dependencies, a peer in a collective; kernels that overlap under PDL count once), the kernel time by kind, and
-for each kernel the idle time just before it (which launches the GPU waits for). --tp N runs under torchrun, every rank alike
-(the collectives need them all), and rank 0 prints; --trace FILE writes rank 0's timeline of the stage replays for
-chrome://tracing or Perfetto.
+graphs of the full batch. --by-stage also prints each replay's wall time (a replay timed alone, its own launch
+included), its span on the profiler's timeline and the time in it with no kernel running (what the GPU waits for:
+launch latency, dependencies, a peer in a collective; kernels that overlap under PDL count once), the kernel time by
+kind, and for each kernel the idle time just before it (which launches the GPU waits for). --tp N runs under
+torchrun, every rank alike (the collectives need them all), and rank 0 prints; --trace FILE writes rank 0's timeline
+of the stage replays for chrome://tracing or Perfetto.
 
     python -m perf.profile_round --target synthetic:qwen3-8b --method ar --by-stage --solo-width 2
 
