@@ -1,5 +1,5 @@
-"""kernels.fused: the Triton rmsnorm / qk_norm_rope_store / silu_mul against their references, the references
-against transformers' modules, and the three kernels captured together in a CUDA graph.
+"""kernels.fused: the Triton rmsnorm / qk_norm_rope_store / silu_mul / sigmoid_mul against their references, the
+references against transformers' modules, and the kernels captured together in a CUDA graph.
 
 CPU: the references are checked directly; the Triton kernels run under the Triton interpreter in a subprocess
 (TRITON_INTERPRET=1 must be set before triton is imported), one subprocess per kernel: `python -m
@@ -27,7 +27,8 @@ from kernels import fused
 
 from correctness.kernel_harness import assert_close_ulps, assert_interpreted_ok, run_checks_main
 from kernels.fused import (qk_norm_rope_store, qk_norm_rope_store_reference, qk_norm_rope_store_triton, rmsnorm,
-                           rmsnorm_reference, rmsnorm_triton, silu_mul, silu_mul_reference, silu_mul_triton)
+                           rmsnorm_reference, rmsnorm_triton, sigmoid_mul, sigmoid_mul_reference, sigmoid_mul_triton,
+                           silu_mul, silu_mul_reference, silu_mul_triton)
 
 EPS = 1e-6
 
@@ -74,10 +75,13 @@ def check_rmsnorm(fn, gen, shape, dtype, device, residual: bool, context: str, i
 
 
 def qk_case(gen, B, T, H, KVH, D, R, norms, dtype, device="cpu", cap=64, start=None, layers=2, pad=8,
-            per_row=False):
+            per_row=False, gated=False):
     """Inputs of one qk_norm_rope_store case; caches are layer 1 of [layers, B, KVH, cap, D + pad] bases, [..., :D].
-    per_row: slots [B, T], each batch row its own (separate sequences)."""
-    qkv = rand(gen, B, T, (H + 2 * KVH) * D, dtype=dtype, device=device, scale=2.0)
+    per_row: slots [B, T], each batch row its own (separate sequences). gated: qkv is [q | gate | k | v], the gate
+    columns NaN (a kernel that read them would write NaN)."""
+    qkv = rand(gen, B, T, ((2 if gated else 1) * H + 2 * KVH) * D, dtype=dtype, device=device, scale=2.0)
+    if gated:
+        qkv[..., H * D:2 * H * D] = float("nan")
     q_norm = rand(gen, D, dtype=dtype, device=device) if norms in ("both", "q") else None
     k_norm = rand(gen, D, dtype=dtype, device=device) if norms in ("both", "k") else None
     cos, sin = rope_cos_sin(gen, B, T, R, dtype, device, start=start or 0)
@@ -96,7 +100,7 @@ def qk_case(gen, B, T, H, KVH, D, R, norms, dtype, device="cpu", cap=64, start=N
     k_base[written] = float("nan")
     v_base[written] = float("nan")
     return dict(qkv=qkv, q_norm=q_norm, k_norm=k_norm, cos=cos, sin=sin, slots=slots,
-                k_base=k_base, v_base=v_base, written=written, dims=(H, KVH, D))
+                k_base=k_base, v_base=v_base, written=written, dims=(H, KVH, D), gated=gated)
 
 
 def check_qk(fn, case, context: str, use_out=True) -> None:
@@ -105,8 +109,9 @@ def check_qk(fn, case, context: str, use_out=True) -> None:
     kb_ref, vb_ref = case["k_base"].clone(), case["v_base"].clone()
     kb, vb = case["k_base"].clone(), case["v_base"].clone()
     args = (case["qkv"], H, KVH, D, case["q_norm"], case["k_norm"], EPS, case["cos"], case["sin"])
-    want = qk_norm_rope_store_reference(*args, kb_ref[1, ..., :D], vb_ref[1, ..., :D], case["slots"])
-    kw = {}
+    gated = case["gated"]
+    want = qk_norm_rope_store_reference(*args, kb_ref[1, ..., :D], vb_ref[1, ..., :D], case["slots"], gated)
+    kw = {"gated": True} if gated else {}
     if use_out:  # a strided out=: [B, H, T, D] inside a [B, T, H, D + 4] buffer
         buf = torch.full((B, T, H, D + 4), float("nan"), dtype=want.dtype, device=want.device)
         kw["out"] = buf[..., :D].transpose(1, 2)
@@ -129,6 +134,21 @@ def check_silu(fn, gen, shape, dtype, device, context: str) -> None:
     assert got is out, f"{context}: not written into out="
     assert_close(got, want, context)
     assert_close(fn(gu), want, f"{context} fresh")
+
+
+def check_sigmoid(fn, gen, shape, dtype, device, context: str) -> None:
+    """x * sigmoid(gate) with the gate a column slice of a wider tensor (as the qkv GEMM's gate columns are)."""
+    N = shape[-1]
+    x = rand(gen, *shape, dtype=dtype, device=device, scale=2.0)
+    wide = rand(gen, *shape[:-1], 3 * N, dtype=dtype, device=device, scale=3.0)
+    gate = wide[..., N:2 * N]
+    want = sigmoid_mul_reference(x, gate)
+    out = torch.full(want.shape, float("nan"), dtype=dtype, device=device)
+    got = fn(x, gate, out=out)
+    assert got is out, f"{context}: not written into out="
+    assert_close(got, want, context)
+    assert_close(fn(x, gate), want, f"{context} fresh")
+    assert_close(fn(x.clone(), gate, out=x), want, f"{context} in place")
 
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -173,7 +193,10 @@ def _interp_qk() -> str:
             cases += 1
         case = qk_case(gen, 3, 5, 4, 2, 16, 16, "both", dtype, per_row=True)
         check_qk(qk_norm_rope_store_triton, case, f"qk {dtype} per-row slots")
-        cases += 1
+        for B, T, H, KVH, D, R, norms in ((2, 3, 4, 2, 32, 8, "both"), (1, 4, 3, 1, 16, 16, None)):  # gated q
+            case = qk_case(gen, B, T, H, KVH, D, R, norms, dtype, start=3, gated=True)
+            check_qk(qk_norm_rope_store_triton, case, f"qk {dtype} gated B{B} T{T} H{H} KVH{KVH} D{D} R{R}")
+        cases += 3
     return f"{cases} qk_norm_rope_store cases"
 
 
@@ -187,7 +210,17 @@ def _interp_silu() -> str:
     return f"{cases} silu_mul cases"
 
 
-CHECKS = {"rmsnorm": _interp_rmsnorm, "qk": _interp_qk, "silu": _interp_silu}
+def _interp_sigmoid() -> str:
+    gen = torch.Generator().manual_seed(9)
+    cases = 0
+    for dtype in DTYPES:
+        for shape in ((1, 48), (3, 1500), (2, 2, 100)):  # 1500: two column blocks, the second masked
+            check_sigmoid(sigmoid_mul_triton, gen, shape, dtype, "cpu", f"sigmoid {dtype} {shape}")
+            cases += 1
+    return f"{cases} sigmoid_mul cases"
+
+
+CHECKS = {"rmsnorm": _interp_rmsnorm, "qk": _interp_qk, "silu": _interp_silu, "sigmoid": _interp_sigmoid}
 
 
 # ---------------------------------------------------------------------------------------------------- CPU tests
@@ -236,6 +269,25 @@ def test_references_match_transformers():
 
 
 @pytest.mark.cpu
+def test_gated_reference_skips_the_gate_columns():
+    """gated=True: [q | gate | k | v] gives what the ungated call gives on [q | k | v], the gate never read."""
+    gen = torch.Generator().manual_seed(22)
+    for dtype in DTYPES:
+        case = qk_case(gen, 2, 3, 4, 2, 16, 8, "both", dtype, start=4, gated=True)
+        H, KVH, D = case["dims"]
+        qkv = case["qkv"]
+        plain = torch.cat((qkv[..., :H * D], qkv[..., 2 * H * D:]), dim=-1)
+        rest = (case["q_norm"], case["k_norm"], EPS, case["cos"], case["sin"])
+        kb, vb, kb2, vb2 = (case[n].clone() for n in ("k_base", "v_base", "k_base", "v_base"))
+        q = qk_norm_rope_store_reference(qkv, H, KVH, D, *rest, kb[1, ..., :D], vb[1, ..., :D], case["slots"], True)
+        want = qk_norm_rope_store_reference(plain, H, KVH, D, *rest, kb2[1, ..., :D], vb2[1, ..., :D], case["slots"])
+        assert not q.isnan().any() and torch.equal(q, want)
+        assert torch.equal(kb.nan_to_num(), kb2.nan_to_num()) and torch.equal(vb.nan_to_num(), vb2.nan_to_num())
+    with pytest.raises(ValueError, match="gated"):  # an ungated width declared gated
+        qk_norm_rope_store_reference(plain, H, KVH, D, *rest, kb[1, ..., :D], vb[1, ..., :D], case["slots"], True)
+
+
+@pytest.mark.cpu
 def test_reference_per_row_slots_write_each_rows_own():
     """Batch rows that are separate sequences: the reference with slots [B, T] equals each row written alone."""
     gen = torch.Generator().manual_seed(21)
@@ -273,13 +325,14 @@ def test_partial_rotary_reference():
 def test_dispatchers_use_the_references_on_cpu(monkeypatch):
     gen = torch.Generator().manual_seed(6)
     called = []
-    for name in ("rmsnorm_triton", "qk_norm_rope_store_triton", "silu_mul_triton"):
+    for name in ("rmsnorm_triton", "qk_norm_rope_store_triton", "silu_mul_triton", "sigmoid_mul_triton"):
         monkeypatch.setattr(fused, name, lambda *a, _n=name, **k: called.append(_n))
     x, w = rand(gen, 3, 40, dtype=torch.float32), rand(gen, 40, dtype=torch.float32)
     y, h = rmsnorm(x, w, EPS)
     assert h is x and torch.equal(y, rmsnorm_reference(x, w, EPS)[0])
     gu = rand(gen, 3, 40, dtype=torch.float32)
     assert torch.equal(silu_mul(gu), silu_mul_reference(gu))
+    assert torch.equal(sigmoid_mul(x, gu), sigmoid_mul_reference(x, gu))
     case = qk_case(gen, 1, 2, 2, 1, 16, 16, "both", torch.float32, start=0)
     args = (case["qkv"], 2, 1, 16, case["q_norm"], case["k_norm"], EPS, case["cos"], case["sin"])
     kc, vc = case["k_base"][1, ..., :16], case["v_base"][1, ..., :16]
@@ -317,6 +370,8 @@ def test_shape_errors():
         rmsnorm_triton(x, torch.zeros(8), EPS, out=torch.zeros(2, 7))
     with pytest.raises(ValueError):
         silu_mul_triton(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="gate must match"):
+        sigmoid_mul_triton(x, torch.zeros(2, 7))
     qkv, cos = torch.zeros(1, 2, 4 * 8), torch.zeros(1, 2, 8)
     cache = torch.zeros(1, 1, 4, 8)
     with pytest.raises(ValueError):  # H + 2 KVH = 4 heads of 8, but 3 heads declared
@@ -331,10 +386,11 @@ def test_shape_errors():
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or fused.triton is None,
                                 reason="needs a CUDA GPU and Triton")
 BF16 = torch.bfloat16
-QK_GPU = [  # (H, KVH, D, R, norms): Qwen3-8B, a 9/3 GQA without norms, partial rotary
-    (32, 8, 128, 128, "both"),
-    (9, 3, 64, 64, None),
-    (32, 8, 128, 32, None),
+QK_GPU = [  # (H, KVH, D, R, norms, gated): Qwen3-8B, a 9/3 GQA without norms, partial rotary, Qwen3.6-27B (gated)
+    (32, 8, 128, 128, "both", False),
+    (9, 3, 64, 64, None, False),
+    (32, 8, 128, 32, None, False),
+    (24, 4, 256, 64, "both", True),
 ]
 
 
@@ -355,18 +411,18 @@ def test_gpu_rmsnorm(N):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("H,KVH,D,R,norms", QK_GPU)
-def test_gpu_qk_norm_rope_store(H, KVH, D, R, norms):
+@pytest.mark.parametrize("H,KVH,D,R,norms,gated", QK_GPU)
+def test_gpu_qk_norm_rope_store(H, KVH, D, R, norms, gated):
     gen = torch.Generator().manual_seed(20 + H + D + R)
     for T in (1, 16, 65):
         for B in (1, 2):
-            case = qk_case(gen, B, T, H, KVH, D, R, norms, BF16, "cuda", cap=4096, start=1000 + T, pad=0)
+            case = qk_case(gen, B, T, H, KVH, D, R, norms, BF16, "cuda", cap=4096, start=1000 + T, pad=0, gated=gated)
             check_qk(qk_norm_rope_store_triton, case, f"qk B{B} T{T} H{H} KVH{KVH} D{D} R{R} {norms}",
                      use_out=B == 2)
-    case = qk_case(gen, 1, 16, H, KVH, D, R, norms, torch.float32, "cuda", cap=4096, start=None)
+    case = qk_case(gen, 1, 16, H, KVH, D, R, norms, torch.float32, "cuda", cap=4096, start=None, gated=gated)
     check_qk(qk_norm_rope_store_triton, case, "qk fp32 scattered slots")
-    case = qk_case(gen, 1, 16, H, KVH, D, R, norms, BF16, "cuda", cap=4096, start=7)
-    check_qk(lambda *a, out=None: qk_norm_rope_store(*a), case, "dispatcher", use_out=False)
+    case = qk_case(gen, 1, 16, H, KVH, D, R, norms, BF16, "cuda", cap=4096, start=7, gated=gated)
+    check_qk(lambda *a, out=None, **kw: qk_norm_rope_store(*a, **kw), case, "dispatcher", use_out=False)
 
 
 @pytest.mark.gpu
@@ -380,6 +436,19 @@ def test_gpu_silu_mul(I):
     check_silu(silu_mul_triton, gen, (16, 2 * I), torch.float32, "cuda", f"silu fp32 I={I}")
     gu = rand(gen, 16, 2 * I, dtype=BF16, device="cuda")
     assert_close(silu_mul(gu), silu_mul_reference(gu), "dispatcher")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("N", [6144, 4096, 1024])  # Qwen3.6-27B's attention width, then smaller hybrids'
+def test_gpu_sigmoid_mul(N):
+    gen = torch.Generator().manual_seed(50 + N)
+    for T in (1, 16, 65):
+        check_sigmoid(sigmoid_mul_triton, gen, (T, N), BF16, "cuda", f"sigmoid T={T} N={N}")
+    check_sigmoid(sigmoid_mul_triton, gen, (2, 16, N), BF16, "cuda", f"sigmoid 3-d N={N}")
+    check_sigmoid(sigmoid_mul_triton, gen, (16, N), torch.float32, "cuda", f"sigmoid fp32 N={N}")
+    x, g = rand(gen, 16, N, dtype=BF16, device="cuda"), rand(gen, 16, N, dtype=BF16, device="cuda")
+    assert_close(sigmoid_mul(x, g), sigmoid_mul_reference(x, g), "dispatcher")
 
 
 @pytest.mark.gpu

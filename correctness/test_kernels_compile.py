@@ -66,6 +66,8 @@ CASES = [
      dict(HAS_RES=True, BLOCK=4096, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
     ("silu_mul", fused._silu_mul_kernel, dict(gu_ptr=BF16, out_ptr=BF16), dict(BLOCK=1024, SOFT_RNE=False, PDL=True),
      dict(num_warps=4)),
+    ("sigmoid_mul (gated attention's output gate)", fused._sigmoid_mul_kernel,
+     dict(x_ptr=BF16, g_ptr=BF16, out_ptr=BF16), dict(BLOCK=1024, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
     ("compact_kv", tree_ops._compact_kv_kernel, dict(k_ptr=BF16, v_ptr=BF16, start_ptr=I64, path_ptr=I64,
                                                      accepted_ptr=I64),
      dict(B=4, H=8, DH=128, P=16, BLOCK_D=128), dict(num_warps=1)),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fused import qk_norm_rope_store, rmsnorm, silu_mul
+from kernels.fused import qk_norm_rope_store, rmsnorm, sigmoid_mul, silu_mul
 from kernels.gated_delta import TreeSchedule, chain_schedule
 from kernels.skinny_linear import (MAX_ROWS as SKINNY_MAX_ROWS, rope_fusable, skinny_linear, skinny_linear_applies,
                                    skinny_qkv_rope)
@@ -172,15 +172,12 @@ class Attention(nn.Module):
 
     def heads(self, qkv, cos, sin, layer_cache: AttentionLayerCache, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`project` after its GEMM: qkv [B, T, (q [+ gate] + k + v) widths] -> (queries, gate)."""
-        gate = None
-        if self.output_gate:
-            width = self.num_heads * self.head_dim
-            gate = qkv[..., width:2 * width]
-            qkv = torch.cat((qkv[..., :width], qkv[..., 2 * width:]), dim=-1)
+        width = self.num_heads * self.head_dim
+        gate = qkv[..., width:2 * width] if self.output_gate else None  # read in place: [q | gate | k | v]
         q = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                None if self.q_norm is None else self.q_norm.weight,
                                None if self.k_norm is None else self.k_norm.weight,
-                               self.eps, cos, sin, layer_cache.k, layer_cache.v, slots)
+                               self.eps, cos, sin, layer_cache.k, layer_cache.v, slots, gated=self.output_gate)
         return q, gate
 
     def attend(self, q: torch.Tensor, layer_cache: AttentionLayerCache, start, node_mask: torch.Tensor,
@@ -195,7 +192,7 @@ class Attention(nn.Module):
         """Attention output [B, H, T, D] (times sigmoid(gate) when gated) -> [B, T, hidden]."""
         o = o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            o = sigmoid_mul(o, gate)
         if self.defer_reduce:
             return self.tp.row_parallel(o, self.o_proj.weight, self.o_proj.bias, ATTENTION_SLOT)
         out = linear(o, self.o_proj.weight, self.o_proj.bias, self.skinny)

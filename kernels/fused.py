@@ -1,14 +1,15 @@
-"""Fused elementwise kernels of a decoder layer: RMSNorm (+ residual add), q/k RMSNorm + RoPE + KV-cache store, SiLU*mul.
+"""Fused elementwise kernels of a decoder layer: RMSNorm (+ residual add), q/k RMSNorm + RoPE + KV-cache store, SiLU*mul,
+and the output gate of gated attention (x * sigmoid(gate)).
 
 A decode step of an 8B model spends a large share of its time in tiny elementwise kernels (RMSNorm as 5-6 ops,
 per-head q/k RMSNorm, RoPE as ~8 ops each for q and k, the cache index_copy_, silu, mul). Each function below is one
-kernel launch. Three functions, each in three forms:
+kernel launch. Four functions, each in three forms:
 
 - `*_reference`: plain PyTorch, readable; the CPU path and the tests' oracle.
 - `*_triton`: a Triton kernel. No host synchronisation, a grid that depends on shapes only: safe to capture in a
   CUDA graph and replay with new inputs copied in place. Optional `out=` tensors. Under TRITON_INTERPRET=1 they
   also run on CPU tensors (tests).
-- the dispatcher (`rmsnorm`, `qk_norm_rope_store`, `silu_mul`): the kernel for CUDA tensors, else the reference.
+- the dispatcher (`rmsnorm`, `qk_norm_rope_store`, `silu_mul`, `sigmoid_mul`): the kernel for CUDA tensors, else the reference.
   `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) forces the reference.
 
 All math is done in float32 inside the kernels, and results are rounded to the input dtype at the same points as
@@ -29,9 +30,14 @@ qk_norm_rope_store(qkv [B, T, (H + 2 KVH) D], H, KVH, D, q_norm [D] | None, k_no
     of each q and k head: x[:R] * cos + rotate_half(x[:R]) * sin in the input dtype (each product and the sum
     rounded), rotate_half(x) = cat(-x[R/2:], x[:R/2]); dims past R pass through. k (normed, rotated) and v (as is)
     are written to cache rows slots[t]; q is returned in [B, H, T, D].
+    gated=True: qkv is [B, T, (2 H + 2 KVH) D], a gated attention's [q | gate | k | v] (engine.model's Attention.fuse
+    layout); the gate's H D columns are skipped (sigmoid_mul applies them after attention), so no copy drops them.
 
 silu_mul(gate_up [..., 2I]) -> act [..., I]
     act = silu(gate) (rounded) * up (rounded), gate = gate_up[..., :I], up = gate_up[..., I:]; as F.silu(g) * u.
+
+sigmoid_mul(x [..., N], gate [..., N]) -> x * sigmoid(gate)   (sigmoid rounded, then the product; as torch rounds)
+    The output gate of Qwen3.5's attention: gate may be a strided column slice (the qkv GEMM's gate columns).
 
 Kernel designs
 --------------
@@ -48,6 +54,7 @@ slots[t] and store into k_cache; v programs copy their head into v_cache. The q 
 helper called from two branches on the head index (q_norm and k_norm may be present independently).
 
 _silu_mul_kernel: grid (rows, cdiv(I, BLOCK)), BLOCK = min(1024, next_pow2(I)) columns per program, masked.
+_sigmoid_mul_kernel: the same grid over x's N columns.
 """
 from __future__ import annotations
 
@@ -60,6 +67,7 @@ __all__ = [
     "rmsnorm", "rmsnorm_reference", "rmsnorm_triton",
     "qk_norm_rope_store", "qk_norm_rope_store_reference", "qk_norm_rope_store_triton",
     "silu_mul", "silu_mul_reference", "silu_mul_triton",
+    "sigmoid_mul", "sigmoid_mul_reference", "sigmoid_mul_triton",
     "triton_disabled",
 ]
 
@@ -96,10 +104,12 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return rot if R == x.shape[-1] else torch.cat((rot, x[..., R:]), dim=-1)
 
 
-def _check_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin, k_cache, v_cache, slots):
-    if qkv.dim() != 3 or qkv.shape[2] != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"qkv must be [B, T, (H + 2 KVH) * D] = [B, T, {(num_heads + 2 * num_kv_heads) * head_dim}],"
-                         f" got {tuple(qkv.shape)}")
+def _check_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin, k_cache, v_cache, slots,
+               gated=False):
+    heads = (2 if gated else 1) * num_heads + 2 * num_kv_heads
+    if qkv.dim() != 3 or qkv.shape[2] != heads * head_dim:
+        what = "(2 H + 2 KVH) * D, gated" if gated else "(H + 2 KVH) * D"
+        raise ValueError(f"qkv must be [B, T, {what}] = [B, T, {heads * head_dim}], got {tuple(qkv.shape)}")
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"query heads {num_heads} not a multiple of kv heads {num_kv_heads}")
     B, T, _ = qkv.shape
@@ -122,14 +132,15 @@ def _check_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin,
 def qk_norm_rope_store_reference(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 slots: torch.Tensor) -> torch.Tensor:
+                                 slots: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """Plain PyTorch: split heads, optional per-head RMSNorm of q and k, RoPE, index_copy_ of k and v into the caches.
 
     Returns q [B, H, T, D] (contiguous)."""
-    _check_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin, k_cache, v_cache, slots)
+    _check_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, gated)
     B, T, _ = qkv.shape
-    q, k, v = qkv.view(B, T, num_heads + 2 * num_kv_heads, head_dim).split(
-        [num_heads, num_kv_heads, num_kv_heads], dim=2)
+    gates = num_heads if gated else 0
+    q, _, k, v = qkv.reshape(B, T, num_heads + gates + 2 * num_kv_heads, head_dim).split(
+        [num_heads, gates, num_kv_heads, num_kv_heads], dim=2)
     if q_norm is not None:
         q = rmsnorm_reference(q, q_norm, eps)[0]
     if k_norm is not None:
@@ -150,6 +161,11 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """Plain PyTorch: F.silu(gate) * up with gate, up = gate_up.chunk(2, -1)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def sigmoid_mul_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch: x * torch.sigmoid(gate)."""
+    return x * torch.sigmoid(gate)
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
@@ -221,7 +237,7 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, kc_ptr, vc_ptr,
-                                   T, H, KVH, eps, s_slots_b,
+                                   T, H, KVH, gap, eps, s_slots_b,
                                    s_qkv_b, s_qkv_t, s_cos_b, s_cos_t, s_sin_b, s_sin_t,
                                    s_q_b, s_q_h, s_q_t, s_kc_b, s_kc_h, s_kc_s, s_vc_b, s_vc_h, s_vc_s,
                                    HAS_QN: tl.constexpr, HAS_KN: tl.constexpr,
@@ -232,7 +248,7 @@ if triton is not None:
         hd = tl.program_id(1)
         b = (pid // T).to(tl.int64)
         t = pid % T
-        src = qkv_ptr + b * s_qkv_b + t * s_qkv_t + hd * D
+        src = qkv_ptr + b * s_qkv_b + t * s_qkv_t + hd * D + tl.where(hd < H, 0, gap)  # gap: a gated q's gates
         cos_row = cos_ptr + b * s_cos_b + t * s_cos_t
         sin_row = sin_ptr + b * s_sin_b + t * s_sin_t
         if hd < H:
@@ -261,6 +277,19 @@ if triton is not None:
         u = tl.load(gu_ptr + row * s_gu + I + cols, mask=mask, other=0.0).to(tl.float32)
         act = _round(g / (1.0 + tl.exp(-g)), dt, SOFT_RNE)
         tl.store(out_ptr + row * s_out + cols, _round(act * u, dt, SOFT_RNE).to(dt), mask=mask)
+
+    @triton.jit
+    def _sigmoid_mul_kernel(x_ptr, g_ptr, out_ptr, N, s_x, s_g, s_out, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr,
+                            PDL: tl.constexpr):
+        pdl_wait(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        dt: tl.constexpr = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * s_g + cols, mask=mask, other=0.0).to(tl.float32)
+        s = _round(1.0 / (1.0 + tl.exp(-g)), dt, SOFT_RNE)
+        tl.store(out_ptr + row * s_out + cols, _round(x * s, dt, SOFT_RNE).to(dt), mask=mask)
 
 
 def _soft_rne(t: torch.Tensor) -> bool:
@@ -331,13 +360,15 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
 def qk_norm_rope_store_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                               cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton kernel. `slots`: [T] int32/int64 on qkv's device, or [B, T] (each batch row its own). `out`, if given, is a [B, H, T, D] tensor of
-    qkv's dtype (any strides with a contiguous last dim) that receives q. The caches may be strided views (last dim
-    contiguous). One launch, grid (B * T, H + 2 KVH)."""
+                              slots: torch.Tensor, out: torch.Tensor | None = None, gated: bool = False
+                              ) -> torch.Tensor:
+    """The Triton kernel. `slots`: [T] int32/int64 on qkv's device, or [B, T] (each batch row its own). `out`, if
+    given, is a [B, H, T, D] tensor of qkv's dtype (any strides with a contiguous last dim) that receives q. The caches
+    may be strided views (last dim contiguous). `gated`: qkv is [q | gate | k | v]. One launch, grid (B * T, H + 2
+    KVH)."""
     if triton is None:
         raise RuntimeError("qk_norm_rope_store_triton needs triton")
-    _check_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin, k_cache, v_cache, slots)
+    _check_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, gated)
     B, T, _ = qkv.shape
     H, KVH, D, R = num_heads, num_kv_heads, head_dim, cos.shape[-1]
     dt = qkv.dtype
@@ -368,7 +399,7 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: i
     pdl = pdl_launch(qkv)
     _qk_norm_rope_store_kernel[(B * T, H + 2 * KVH)](
         qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos, sin, slots, out,
-        k_cache, v_cache, T, H, KVH, float(eps), slots.stride(0) if slots.dim() == 2 else 0,
+        k_cache, v_cache, T, H, KVH, H * D if gated else 0, float(eps), slots.stride(0) if slots.dim() == 2 else 0,
         qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -404,6 +435,31 @@ def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> t
     return out
 
 
+def sigmoid_mul_triton(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel. `gate` has x's shape and dtype (rows may be strided: a column slice of a wider tensor);
+    `out`, if given, is a tensor of x's shape and dtype viewable as [rows, N] (it may be x itself)."""
+    if triton is None:
+        raise RuntimeError("sigmoid_mul_triton needs triton")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype}")
+    if gate.shape != x.shape or gate.dtype != x.dtype or gate.device != x.device:
+        raise ValueError(f"gate must match x {tuple(x.shape)} {x.dtype} on {x.device}: got {tuple(gate.shape)} "
+                         f"{gate.dtype} on {gate.device}")
+    N = x.shape[-1]
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o2 = _out_rows(out, x.shape, x.dtype, x.device, "out")
+    x2, g2 = _rows(x, N, "x"), _rows(gate, N, "gate")
+    if x2.shape[0] == 0 or N == 0:
+        return out
+    block = min(SILU_BLOCK, next_pow2(N))
+    pdl = pdl_launch(x)
+    _sigmoid_mul_kernel[(x2.shape[0], triton.cdiv(N, block))](x2, g2, o2, N, x2.stride(0), g2.stride(0), o2.stride(0),
+                                                               BLOCK=block, SOFT_RNE=_soft_rne(x), PDL=pdl,
+                                                               num_warps=4 if block >= 512 else 2, **pdl_options(pdl))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- dispatchers
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -422,14 +478,14 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor) -> torch.Tensor:
+                       slots: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """q [B, H, T, D]; k and v written into the caches: the Triton kernel for CUDA tensors, else the reference."""
     same_dtype = all(t is None or t.dtype == qkv.dtype for t in (q_norm, k_norm, cos, sin, k_cache, v_cache))
     if _use_triton(qkv, k_cache, v_cache, cos, sin, slots) and same_dtype:
         return qk_norm_rope_store_triton(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos, sin,
-                                         k_cache, v_cache, slots)
+                                         k_cache, v_cache, slots, gated=gated)
     return qk_norm_rope_store_reference(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos, sin,
-                                        k_cache, v_cache, slots)
+                                        k_cache, v_cache, slots, gated)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -437,3 +493,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _use_triton(gate_up):
         return silu_mul_triton(gate_up)
     return silu_mul_reference(gate_up)
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate): the Triton kernel for CUDA tensors of one dtype and shape, else the reference."""
+    if _use_triton(x, gate) and gate.dtype == x.dtype and gate.shape == x.shape:
+        return sigmoid_mul_triton(x, gate)
+    return sigmoid_mul_reference(x, gate)
