@@ -47,6 +47,22 @@ def pytest_configure(config):
         torch.set_num_threads(1)  # CPU workers share the cores: oversubscribed intra-op threads crawl
 
 
+def pytest_collection_modifyitems(config, items):
+    """Run a pair's tests together, and pairs that share a target one after another: the harness keeps one target
+    on the device at a time, so each target is then loaded once. The order within a pair is kept."""
+    from perf.harness import suite_pairs
+
+    pairs = suite_pairs(config, bool(visible_gpus()))
+    targets = list(dict.fromkeys(p.target for p in pairs.values()))
+    rank = {name: (targets.index(p.target), i) for i, (name, p) in enumerate(pairs.items())}
+
+    def key(item):
+        pair = getattr(getattr(item, "callspec", None), "params", {}).get("pair")
+        return rank.get(pair, (-1, -1))
+
+    items.sort(key=key)  # stable: tests without a pair first, in their order
+
+
 @pytest.fixture(scope="session")
 def floors(pytestconfig):
     return pytestconfig.perf_floors

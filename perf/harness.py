@@ -1,8 +1,9 @@
-"""The perf suite's side of the measuring loop: one engine.measure.Bench per model pair (targets loaded once,
-references and decoders cached), records labelled with device, width and telemetry, widths above 1 through one
+"""The perf suite's side of the measuring loop: one engine.measure.Bench per model pair (one target on the device at a
+time, each loaded once when the tests run grouped by pair; references and decoders cached), records labelled with device, width and telemetry, widths above 1 through one
 `torchrun -m engine bench --tp N` per pair, and the results file, rewritten after every record."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
@@ -42,10 +43,22 @@ class Harness:
         if pair not in self._benches:
             p = self.pairs[pair]
             if p.target not in self._targets:
+                self.release()  # the suite's targets need not fit the device together (the 8B and 27B on 80 GB)
                 self._targets[p.target] = load_target(p.target, self.device, self.dtype)
             target = self._targets[p.target]
             self._benches[pair] = Bench(target, load_drafter(p.draft, target), miss_rate=p.miss_rate, **self.runs)
         return self._benches[pair]
+
+    def release(self) -> None:
+        """Drop the loaded target and its pairs' benches (decoders, caches, CUDA graphs) and give their memory back to
+        the device. Measured records stay."""
+        if not self._targets:
+            return
+        self._targets.clear()
+        self._benches.clear()
+        gc.collect()
+        if self.on_gpu:
+            torch.cuda.empty_cache()
 
     def _labelled(self, pair: str, record: dict, tp: int = 1, telemetry=None) -> dict:
         return dict(record, device=self.device_name, tp=tp, pair=pair,
