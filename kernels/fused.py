@@ -1,5 +1,5 @@
-"""Fused elementwise kernels of a decoder layer: RMSNorm (+ residual add), q/k RMSNorm + RoPE + KV-cache store, SiLU*mul,
-and the output gate of gated attention (x * sigmoid(gate)).
+"""Fused elementwise kernels of a decoder layer: RMSNorm (+ residual add), q/k RMSNorm + RoPE + KV-cache store,
+SiLU*mul, and the output gate of gated attention (x * sigmoid(gate)).
 
 A decode step of an 8B model spends a large share of its time in tiny elementwise kernels (RMSNorm as 5-6 ops,
 per-head q/k RMSNorm, RoPE as ~8 ops each for q and k, the cache index_copy_, silu, mul). Each function below is one
@@ -9,8 +9,8 @@ kernel launch. Four functions, each in three forms:
 - `*_triton`: a Triton kernel. No host synchronisation, a grid that depends on shapes only: safe to capture in a
   CUDA graph and replay with new inputs copied in place. Optional `out=` tensors. Under TRITON_INTERPRET=1 they
   also run on CPU tensors (tests).
-- the dispatcher (`rmsnorm`, `qk_norm_rope_store`, `silu_mul`, `sigmoid_mul`): the kernel for CUDA tensors, else the reference.
-  `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) forces the reference.
+- the dispatcher (`rmsnorm`, `qk_norm_rope_store`, `silu_mul`, `sigmoid_mul`): the kernel for CUDA tensors, else
+  the reference. `ENGINE_DISABLE_TRITON=1` in the environment (read at each call) forces the reference.
 
 All math is done in float32 inside the kernels, and results are rounded to the input dtype at the same points as
 the reference rounds them (torch computes a bfloat16 elementwise op in float32 and rounds once), so that bf16

@@ -1,6 +1,7 @@
 """The perf suite's side of the measuring loop: one engine.measure.Bench per model pair (one target on the device at a
-time, each loaded once when the tests run grouped by pair; references and decoders cached), records labelled with device, width and telemetry, widths above 1 through one
-`torchrun -m engine bench --tp N` per pair, and the results file, rewritten after every record."""
+time, each loaded once when the tests run grouped by pair; references and decoders cached), records labelled with
+device, width and telemetry, widths above 1 through one `torchrun -m engine bench --tp N` per pair, and the results
+file, rewritten after every record."""
 from __future__ import annotations
 
 import gc
