@@ -23,8 +23,9 @@ def rope(x, pos, inv_freq):
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
-def reference_block_logits(drafter, target, features, bonus):
-    """Draft logits for the block after all `features` context tokens, recomputed from nothing."""
+def reference_block_logits(drafter, target, features, bonus, lm_head=None):
+    """Draft logits for the block after all `features` context tokens, recomputed from nothing (with the LM head
+    `lm_head`, default the target's)."""
     draft, cfg = drafter.draft, drafter.draft.dcfg.layers
     n, B = features.shape[1], drafter.block_size
     eps, H, KV, D = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -48,7 +49,7 @@ def reference_block_logits(drafter, target, features, bonus):
         m = rms(x, layer.post_attention_layernorm.weight, eps)
         x = x + (torch.nn.functional.silu(m @ layer.mlp.gate_proj.weight.T) * (m @ layer.mlp.up_proj.weight.T)) \
             @ layer.mlp.down_proj.weight.T
-    return rms(x, draft.norm.weight, eps)[1:] @ target.lm_head.weight.T
+    return rms(x, draft.norm.weight, eps)[1:] @ (target.lm_head.weight if lm_head is None else lm_head).T
 
 
 @pytest.mark.parametrize("layers,block_size", [(1, 4), (3, 8)])
@@ -113,3 +114,65 @@ def test_default_target_layers_stay_inside_shallow_targets(tiny_checkpoints):
     ar = engine.Decoder(target.model).generate(prompt, 8).tokens
     drafter = engine.load_drafter("random:3", target, 4)
     assert engine.Decoder(target.model, drafter, engine.DecodeSettings("ddtree", 4)).generate(prompt, 8).tokens == ar
+
+
+def dequantized(w):
+    from kernels.int8_linear import quantize_int8
+
+    qw = quantize_int8(w)
+    return qw.q.float() * qw.scale[:, None]
+
+
+def test_int8_weights_compute_the_draft_of_the_dequantized_weights(tiny_checkpoints):
+    """--draft-weights int8: every projection and the LM head run from int8 weights with a scale per row. The
+    proposal is the from-scratch draft of those weights dequantized, and not the draft's own (the int8 path ran)."""
+    from torch import nn
+
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    exact = engine.load_drafter("random:2", target, 8, seed=3)
+    int8 = engine.load_drafter("random:2", target, 8, seed=3, weights="int8")
+    released = int8.draft.layers[0].mlp.down_proj.weight
+    assert released.numel() == 0 and int8.draft.fc.weight.numel() == 0  # the 16-bit copies are gone
+    gen = torch.Generator().manual_seed(4)
+    F = len(exact.feature_layers) * target.model.cfg.hidden_size
+    features = torch.randn(1, 12, F, generator=gen)
+    tokens = torch.randint(0, target.model.cfg.vocab_size, (1, 13), generator=gen)
+    inp = DraftInput(tokens, torch.tensor(12), features, torch.tensor(12))
+    for d in (exact, int8):
+        d.start(prompt_len=12, capacity=64)
+    own, got = exact.propose(inp), int8.propose(inp)
+    with torch.no_grad():
+        for m in exact.draft.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(dequantized(m.weight))
+    want = reference_block_logits(exact, target.model, features, int(tokens[0, 12]),
+                                  lm_head=dequantized(target.model.lm_head.weight))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (got - own).abs().max() > 1e-3  # quantization moved the logits: the int8 path ran
+
+
+def test_int8_draft_decodes_losslessly(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    prompt = [5, 9, 2, 7, 11, 3]
+    ar = engine.Decoder(target.model).generate(prompt, 24).tokens
+    drafter = engine.load_drafter("random:2", target, 6, weights="int8")
+    for method, budget in (("dflash", 0), ("ddtree", 6)):
+        decoder = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, budget))
+        assert decoder.generate(prompt, 24).tokens == ar, method
+
+
+def test_int8_draft_weights_bad_requests_get_one_error(tiny_checkpoints):
+    from engine.draft import DFlashDrafter
+    from engine.errors import EngineError
+    from engine.loading import random_draft
+
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    with pytest.raises(EngineError, match="draft weights must be one of model, int8, got 'fp4'"):
+        engine.load_drafter("random:1", target, 4, weights="fp4")
+    draft = random_draft(target, 1)
+    draft.layers[0].self_attn.tp = object()  # as engine.parallel.shard_draft leaves a sharded draft
+    with pytest.raises(EngineError, match="int8 draft weights need a replicated draft"):
+        DFlashDrafter(draft, target.model, 4, weights="int8")

@@ -17,8 +17,8 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backend = pytest.importorskip("triton.backends.compiler")
 
-from kernels import (all_reduce, argmax, fused, gated_delta, skinny_linear, tree_attention, tree_ops,  # noqa: E402
-                     verify_rows)
+from kernels import (all_reduce, argmax, fused, gated_delta, int8_linear, skinny_linear, tree_attention,  # noqa: E402
+                     tree_ops, verify_rows)
 
 H200 = backend.GPUTarget("cuda", 90, 32)
 HOPPER_SHARED = 227 * 1024  # shared memory a block may take on an H100 or H200
@@ -46,6 +46,19 @@ def skinny_constexprs(N: int, K: int) -> dict:
     chunks = -(-K // block_k)
     return dict(BLOCK_M=skinny_linear.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SOFT_RNE=False,
                 SOFT_RNE_OUT=False, K_CHUNKS=chunks, UNROLL=2 if chunks > 4 else 1, PDL=True, PREFETCH=True)
+
+
+INT8 = dict(x_ptr=BF16, q_ptr=ptr("i8"), s_ptr=F32, b_ptr=BF16, y_ptr=BF16)
+ALIGNED_INT8 = ("x_ptr", "q_ptr", "s_ptr", "y_ptr", "N", "K", "s_xm", "s_qn", "s_ym")
+
+
+def int8_case(what: str, M: int, N: int, K: int, out=BF16) -> tuple:
+    """The int8 draft GEMM with the tiles int8_config picks for M rows against an [N, K] weight."""
+    block_m, block_n, block_k, warps, stages = int8_linear.int8_config(M, N, K)
+    return (f"int8 linear, {what}", int8_linear._int8_linear_kernel, dict(INT8, y_ptr=out),
+            dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, F32_DOT=False,
+                 ROUND=out != F32, SOFT_RNE=False, PDL=True),
+            dict(num_warps=warps, divisible=ALIGNED_INT8))
 
 
 # (name, kernel, pointer and float argument types (others: i32), constexprs, compile options; the options key
@@ -124,6 +137,11 @@ CASES = [
      dict(x_ptr=F32, part_ptr=I64, count_ptr=I32, out_ptr=I64),
      dict(CHUNK=4096, CP=16, ONE_CHUNK=False, PDL=True),
      dict(num_warps=8, divisible=("x_ptr", "stride_row", "V", "part_ptr", "count_ptr", "out_ptr"))),
+    int8_case("an 8B draft's qkv over context and block (32 rows)", 32, 6144, 4096),
+    int8_case("an 8B draft's down projection (16 rows)", 16, 4096, 12288),
+    int8_case("the 8B's LM head into float32 (15 rows)", 15, 151936, 4096, out=F32),
+    int8_case("an 8B draft's fc over 64 context rows", 64, 4096, 20480),
+    int8_case("a prompt's context rows through fc (300 rows)", 300, 4096, 20480),
 ]
 
 

@@ -12,6 +12,7 @@ import torch
 from . import workloads
 from .decode import METHODS, DecodeSettings, Decoder
 from .errors import EngineError, WeightsTooLarge
+from .draft import DRAFT_WEIGHTS
 from .loading import DEFAULT_TARGET, load_drafter, load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,6 +31,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help=f"{DEFAULT_TARGET} (embedded default), synthetic:<preset>, an HF directory or a .gguf file")
     p.add_argument("--draft", default="default",
                    help="default, random[:layers], a DFlash draft directory, or none")
+    p.add_argument("--draft-weights", default="model", choices=DRAFT_WEIGHTS,
+                   help="model: the draft's weights in the target's dtype; int8: every draft projection and a copy of "
+                        "the LM head in int8 (half the draft's bytes; the output stays the target's)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block (default: the draft's)")
     p.add_argument("--topk-cap", type=int, default=workloads.TOPK_CAP, help="DDTree: candidates per depth")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
@@ -123,6 +127,12 @@ def _device(name: str) -> torch.device:
     return device
 
 
+def _draft_name(args, target) -> str:
+    """The draft as a result names it: the default resolved, int8 weights marked."""
+    name = args.draft if args.draft != "default" else f"default ({target.default_draft})"
+    return name + (" (int8 weights)" if args.draft_weights == "int8" else "")
+
+
 def _check_sizes(args) -> None:
     if args.block_size is not None and args.block_size < 2:
         raise EngineError(f"block size must be >= 2, got {args.block_size}")
@@ -172,7 +182,8 @@ def cmd_generate(args, tp=None, tp_device=None) -> int:
     if ids is None:
         text = args.prompt if args.prompt is not None else workloads.PROMPTS["fib"]
         ids = target.encode(text, chat=not args.no_chat_template)
-    drafter = load_drafter(args.draft, target, args.block_size, args.seed) if args.method != "ar" else None
+    drafter = (load_drafter(args.draft, target, args.block_size, args.seed, weights=args.draft_weights)
+               if args.method != "ar" else None)
     decoder = Decoder(target.model, drafter, DecodeSettings(args.method, args.budget, args.topk_cap))
     stop = () if args.ignore_eos else target.stop_ids
     result = decoder.generate(ids, args.max_new_tokens, stop)
@@ -257,7 +268,8 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
         print(f"loading {args.target} ..." + (f" (tensor-parallel width {tp.world})" if tp else ""), file=sys.stderr)
     target, device, dtype = _load(args, tp_device, tp)
     needs_draft = any(Method.parse(m).drafts for m in methods)
-    drafter = load_drafter(args.draft, target, args.block_size, args.seed) if needs_draft else None
+    drafter = (load_drafter(args.draft, target, args.block_size, args.seed, weights=args.draft_weights)
+               if needs_draft else None)
     bench = Bench(target, drafter, warmup=warmup, repeats=repeats, miss_rate=miss_rate, stop_at_eos=args.stop_at_eos,
                   topk_cap=args.topk_cap)
     if concurrency:
@@ -268,7 +280,7 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     bandwidth = device_bandwidth(device)
     roofline = bandwidth / weight_bytes(target.model) if bandwidth else None
     rows = summarize(records, methods, roofline)
-    draft_name = args.draft if args.draft != "default" else f"default ({target.default_draft})"
+    draft_name = _draft_name(args, target)
     acceptance = "real" if miss_rate is None else f"SYNTHETIC (oracle, miss rate {miss_rate})"
     width = f", tensor-parallel width {tp.world} (roofline per rank)" if tp else ""
     print(f"\ntarget {target.name}, draft {draft_name}, {device} {str(dtype).removeprefix('torch.')}{width}, "
@@ -327,7 +339,8 @@ def _bench_sweep(args, bench, methods, chosen, lengths, concurrency, miss_rate, 
         return 0 if all(r["lossless"] for r in records) else 1
     acceptance = "real" if miss_rate is None else f"SYNTHETIC (oracle, miss rate {miss_rate})"
     device = target.model.device
-    print(f"\ntarget {target.name}, draft {args.draft}, {device} {str(target.model.dtype).removeprefix('torch.')}, "
+    dtype = str(target.model.dtype).removeprefix('torch.')
+    print(f"\ntarget {target.name}, draft {_draft_name(args, target)}, {device} {dtype}, "
           f"{new_tokens} new tokens per request ({length}), prompts {','.join(chosen)} in turn, acceptance "
           f"{acceptance}")
     print(f"{'concurrency':>11} {'method':<16} {'tok/s':>9} {'per request':>11} {'TTFT ms':>8} {'tau':>6} "
@@ -342,8 +355,9 @@ def _bench_sweep(args, bench, methods, chosen, lengths, concurrency, miss_rate, 
             print(f"budget policy at concurrency {r['concurrency']} (model tok/s = c x tau / (draft + verify ms)): "
                   + ", ".join(f"{b}: tau {v['tau']:.2f}, {v['round_ms']:.1f} ms, {v['tok_s']:.0f}"
                               for b, v in r["budget_policy"].items()) + f" -> {r['budget']}")
-    return _results(args.json, dict(environment=environment(device), target=target.name, draft=args.draft,
-                                    dtype=str(target.model.dtype), length={length: new_tokens}, acceptance=acceptance,
+    return _results(args.json, dict(environment=environment(device), target=target.name,
+                                    draft=_draft_name(args, target), dtype=str(target.model.dtype),
+                                    length={length: new_tokens}, acceptance=acceptance,
                                     concurrency=concurrency, sweep=records),
                     all(r["lossless"] for r in records), "a request's output diverged from its batch-1 greedy AR output")
 

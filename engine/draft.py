@@ -19,10 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.int8_linear import Int8Weight, quantize_int8
 from kernels.tree_attention import visible_rows
 
 from .cache import ModelCache
 from .config import ModelConfig
+from .errors import EngineError
 from .model import Block, RMSNorm, Rotary, Transformer, fuse_projections, linear
 
 
@@ -121,13 +123,26 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+DRAFT_WEIGHTS = ("model", "int8")  # the draft's weights as loaded (the target's dtype), or int8 (kernels.int8_linear)
+
+
 class DFlashDrafter(Drafter):
     graphable = True
 
-    def __init__(self, draft: DFlashDraftModel, target: Transformer, block_size: int | None = None):
+    def __init__(self, draft: DFlashDraftModel, target: Transformer, block_size: int | None = None,
+                 weights: str = "model"):
+        """weights: "model" keeps the draft's weights in the target's dtype; "int8" stores every projection of the
+        draft and a copy of the target's LM head as int8 with a scale per output row (`quantize_int8_weights`)."""
+        if weights not in DRAFT_WEIGHTS:
+            raise EngineError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {weights!r}")
         self.draft = draft.eval().requires_grad_(False)
         fuse_projections(draft.layers)
         self.target = target
+        self.weights = weights
+        self.fc_weight: torch.Tensor | Int8Weight = draft.fc.weight
+        self.int8_head: Int8Weight | None = None  # the LM head for the draft's logits (None: the target's own)
+        if weights == "int8":
+            self.quantize_int8_weights()
         dcfg = draft.dcfg
         self.block_size = dcfg.block_size if block_size is None else block_size
         self.feature_layers = tuple(dcfg.target_layer_ids)
@@ -140,6 +155,28 @@ class DFlashDrafter(Drafter):
         self.block_visible = torch.ones(self.block_size, self.block_size, dtype=torch.bool, device=dev)
         self.block_visible_rows = visible_rows(self.block_visible)  # once, not per layer and round
         self.mask_ids = torch.full((max(self.block_size - 1, 0),), self.mask_token_id, dtype=torch.long, device=dev)
+
+    def quantize_int8_weights(self) -> None:
+        """A draft only proposes: the target's verify decides every token, so int8 weights change its acceptance at
+        most, never the output. Its round streams half the bytes (docs/design.md, "Int8 draft weights"). The
+        layers then run their projections through kernels.int8_linear (not kernels.skinny_linear's fused norms),
+        and the draft's 16-bit weights are released; the target's LM head stays, beside its int8 copy."""
+        draft = self.draft
+        if any(block.self_attn.tp is not None or block.mlp.tp is not None for block in draft.layers):
+            raise EngineError("int8 draft weights need a replicated draft: unset ENGINE_SHARD_DRAFT")
+        released = [draft.fc]
+        for block in draft.layers:
+            attn, mlp = block.self_attn, block.mlp
+            attn.qkv_weight = quantize_int8(attn.qkv_weight)
+            attn.o_int8 = quantize_int8(attn.o_proj.weight)
+            mlp.gate_up_weight = quantize_int8(mlp.gate_up_weight)
+            mlp.down_int8 = quantize_int8(mlp.down_proj.weight)
+            block.skinny = attn.skinny = mlp.skinny = attn.rope_fused = False
+            released += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        self.fc_weight = quantize_int8(draft.fc.weight)
+        self.int8_head = quantize_int8(self.target.lm_head.weight)
+        for module in released:  # biases and norms stay; nothing reads these weights again
+            module.weight.data = module.weight.data.new_empty(0)
 
     def start(self, prompt_len: int, capacity: int, sequences: int | None = None) -> None:
         """sequences=None: one sequence; B: B sequences, each with its own context length (batched decoding)."""
@@ -163,7 +200,7 @@ class DFlashDrafter(Drafter):
     @torch.no_grad()
     def propose(self, inp: DraftInput) -> torch.Tensor:
         block, draft = self.block_size, self.draft
-        fc_out = draft.fc(inp.features)                                       # [B, n, hidden]
+        fc_out = linear(inp.features, self.fc_weight, None, False)            # [B, n, hidden]
         B, n, hidden = fc_out.shape
         cache = self.cache if inp.length.dim() == 0 or B == self.cache.start.shape[0] else self.cache.rows(0, B)
         # Every layer's qkv GEMM reads the context rows, then the block's normed rows: one buffer, the context
@@ -195,7 +232,7 @@ class DFlashDrafter(Drafter):
             pending = layer.mlp(h)
         cache.start.add_(inp.n_features)  # keep the context rows, drop the block's
         end = block if inp.depth is None else 1 + inp.depth  # the LM head only over the positions the round reads
-        logits = self.target.logits(draft.norm(pending[:, 1:end], x[:, 1:end])[0])
+        logits = self.target.logits(draft.norm(pending[:, 1:end], x[:, 1:end])[0], self.int8_head)
         return logits if inp.length.dim() else logits[0]
 
 

@@ -420,9 +420,10 @@ def _write_hf_dir(gguf: Path, dst: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- drafts
 
 def load_drafter(spec: str | None, target: Target, block_size: int | None = None, seed: int = 0,
-                 shard: bool | None = None) -> Drafter | None:
+                 shard: bool | None = None, weights: str = "model") -> Drafter | None:
     """spec: `default`, `random[:layers]`, a DFlash draft directory, or None/`none`. Under tensor parallelism the
-    draft is replicated, or sharded like the target where `shard` (None: ENGINE_SHARD_DRAFT) says so."""
+    draft is replicated, or sharded like the target where `shard` (None: ENGINE_SHARD_DRAFT) says so. weights:
+    "model" (the target's dtype) or "int8" (engine.draft.DFlashDrafter)."""
     if spec in (None, "", "none"):
         return None
     if spec == "default":
@@ -445,7 +446,7 @@ def load_drafter(spec: str | None, target: Target, block_size: int | None = None
     tp = target.model.tp
     if tp is not None and (shard_draft_wanted() if shard is None else shard):
         shard_draft(draft, tp)
-    return DFlashDrafter(draft, target.model, block_size)
+    return DFlashDrafter(draft, target.model, block_size, weights)
 
 
 def random_draft(target: Target, layers: int, seed: int = 0) -> DFlashDraftModel:

@@ -16,6 +16,7 @@ from torch import nn
 
 from kernels.fused import qk_norm_rope_store, rmsnorm, sigmoid_mul, silu_mul
 from kernels.gated_delta import TreeSchedule, chain_schedule
+from kernels.int8_linear import Int8Weight, int8_linear
 from kernels.skinny_linear import (MAX_ROWS as SKINNY_MAX_ROWS, rope_fusable, skinny_linear, skinny_linear_applies,
                                    skinny_qkv_rope)
 from kernels.tree_attention import tree_attention, visible_rows
@@ -71,8 +72,12 @@ class RMSNorm(nn.Module):
         return q, x if h is None else h
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: bool) -> torch.Tensor:
-    """F.linear, or kernels.skinny_linear on the layers of a launch-bound model (Block.skinny)."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None, skinny: bool
+           ) -> torch.Tensor:
+    """F.linear, kernels.skinny_linear on the layers of a launch-bound model (Block.skinny), or kernels.int8_linear
+    for an int8 weight (a draft's, engine.draft)."""
+    if isinstance(weight, Int8Weight):
+        return int8_linear(x, weight, bias)
     return skinny_linear(x, weight, bias)[0] if skinny_rows(skinny, x) else F.linear(x, weight, bias)
 
 
@@ -148,6 +153,7 @@ class Attention(nn.Module):
         self.defer_reduce = False  # once sharded: return a Partial, all-reduced by the next norm
         self.skinny = False  # set by fuse_projections: kernels.skinny_linear for the projections
         self.rope_fused = False  # set by fuse_projections: RoPE and the cache store in the skinny qkv GEMM
+        self.o_int8: Int8Weight | None = None  # o_proj's weight in int8 (a draft's, engine.draft)
 
     def fuse(self) -> None:
         """One GEMM for q, k and v (and the output gate): the weights become views of one concatenated matrix. A
@@ -195,7 +201,7 @@ class Attention(nn.Module):
             o = sigmoid_mul(o, gate)
         if self.defer_reduce:
             return self.tp.row_parallel(o, self.o_proj.weight, self.o_proj.bias, ATTENTION_SLOT)
-        out = linear(o, self.o_proj.weight, self.o_proj.bias, self.skinny)
+        out = linear(o, self.o_proj.weight if self.o_int8 is None else self.o_int8, self.o_proj.bias, self.skinny)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward(self, x, rows: Rows, layer_cache: AttentionLayerCache) -> torch.Tensor:
@@ -225,6 +231,7 @@ class MLP(nn.Module):
         self.tp = None  # once sharded: down_proj is row-parallel
         self.defer_reduce = False  # once sharded: return a Partial, all-reduced by the next norm
         self.skinny = False  # set by fuse_projections: kernels.skinny_linear for the projections
+        self.down_int8: Int8Weight | None = None  # down_proj's weight in int8 (a draft's, engine.draft)
 
     def fuse(self) -> None:
         """One GEMM for gate and up: both weights become views of one concatenated matrix."""
@@ -234,13 +241,14 @@ class MLP(nn.Module):
     def forward(self, x):
         if skinny_rows(self.skinny, x):
             return self.down(skinny_linear(x, self.gate_up_weight, self.gate_up_bias, glu=True)[0])
-        return self.down(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+        return self.down(silu_mul(linear(x, self.gate_up_weight, self.gate_up_bias, False)))
 
     def down(self, act: torch.Tensor) -> torch.Tensor:
         """The down projection of act = silu(gate) * up [..., intermediate]."""
         if self.defer_reduce:
             return self.tp.row_parallel(act, self.down_proj.weight, self.down_proj.bias, MLP_SLOT)
-        out = linear(act, self.down_proj.weight, self.down_proj.bias, self.skinny)
+        weight = self.down_proj.weight if self.down_int8 is None else self.down_int8
+        out = linear(act, weight, self.down_proj.bias, self.skinny)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -426,11 +434,14 @@ class Transformer(nn.Module):
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return self.norm(pending, residual)[0], features
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, int8_head: Int8Weight | None = None) -> torch.Tensor:
         """LM-head logits in float32. From bf16 weights they are accumulated and kept in float32: rounding them
-        to bf16 (an ulp of 0.06 to 0.125 at typical magnitudes) would turn real margins into ties."""
+        to bf16 (an ulp of 0.06 to 0.125 at typical magnitudes) would turn real margins into ties. int8_head: an
+        int8 copy of the LM head (a draft's, engine.draft) used instead."""
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if hidden.dtype == torch.float32:
+        if int8_head is not None:
+            out = int8_linear(flat, int8_head, out_dtype=torch.float32)
+        elif hidden.dtype == torch.float32:
             out = F.linear(flat, self.lm_head.weight)
         elif hidden.is_cuda and _has_mm_out_dtype():
             out = torch.mm(flat, self.lm_head.weight.t(), out_dtype=torch.float32)

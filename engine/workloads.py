@@ -73,18 +73,23 @@ SYNTHETIC_MISS_RATE = 0.25  # synthetic acceptance: the oracle ranks the right t
 @dataclass(frozen=True)
 class Pair:
     """A target and its draft, as `--target`/`--draft` take them. miss_rate: synthetic acceptance (the draft runs,
-    an oracle built from the AR output replaces its proposals), None for real acceptance."""
+    an oracle built from the AR output replaces its proposals), None for real acceptance. draft_weights: as
+    `--draft-weights` takes them."""
     name: str
     target: str
     draft: str
     miss_rate: float | None = None
     gpu_only: bool = False
+    draft_weights: str = "model"
 
 
 PAIRS = (
     Pair("default", "smollm2-135m", "default"),
     Pair("default-synthetic", "smollm2-135m", "default", SYNTHETIC_MISS_RATE),
     Pair("qwen3-8b-synthetic", "synthetic:qwen3-8b", "random:5", SYNTHETIC_MISS_RATE, gpu_only=True),
+    # The same with the draft's weights in int8 (half its bytes a round; acceptance is the oracle's either way)
+    Pair("qwen3-8b-int8-draft-synthetic", "synthetic:qwen3-8b", "random:5", SYNTHETIC_MISS_RATE, gpu_only=True,
+         draft_weights="int8"),
     # Hybrid targets (Gated DeltaNet + gated attention): Qwen3.6-27B's shape needs a GPU; the tiny one keeps the
     # hybrid decode path under the CPU suite's tau floors.
     Pair("qwen3.6-27b-synthetic", "synthetic:qwen3.6-27b", "random:5", SYNTHETIC_MISS_RATE, gpu_only=True),

@@ -47,7 +47,8 @@ class Harness:
                 self.release()  # the suite's targets need not fit the device together (the 8B and 27B on 80 GB)
                 self._targets[p.target] = load_target(p.target, self.device, self.dtype)
             target = self._targets[p.target]
-            self._benches[pair] = Bench(target, load_drafter(p.draft, target), miss_rate=p.miss_rate, **self.runs)
+            self._benches[pair] = Bench(target, load_drafter(p.draft, target, weights=p.draft_weights),
+                                         miss_rate=p.miss_rate, **self.runs)
         return self._benches[pair]
 
     def release(self) -> None:
@@ -122,7 +123,7 @@ class Harness:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "bench.json")
             args = ["-m", "engine", "bench", "--tp", str(tp), "--target", p.target, "--draft", p.draft,
-                    "--methods", ",".join(methods), "--workloads", ",".join(workloads),
+                    "--draft-weights", p.draft_weights, "--methods", ",".join(methods), "--workloads", ",".join(workloads),
                     "--lengths", ",".join(f"{k}={v}" for k, v in self.lengths.items()),
                     "--repeats", str(self.runs["repeats"]), "--warmup", str(self.runs["warmup"]), "--json", out]
             if p.miss_rate is not None:

@@ -34,6 +34,7 @@ import torch
 
 import engine
 from engine.batch import BatchDecoder
+from engine.draft import DRAFT_WEIGHTS
 from engine.parallel import TensorParallel
 
 
@@ -195,6 +196,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="synthetic:qwen3-8b")
     p.add_argument("--draft", default="default")
+    p.add_argument("--draft-weights", default="model", choices=DRAFT_WEIGHTS, help="as engine's --draft-weights")
     p.add_argument("--method", default="ar", choices=engine.METHODS)
     p.add_argument("--budget", type=int, default=15)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -225,7 +227,7 @@ def main() -> None:
     target = engine.load_target(args.target, device or "cuda", torch.bfloat16)
     if tp is not None:
         shard_target(target.model, tp)
-    drafter = engine.load_drafter(args.draft, target) if args.method != "ar" else None
+    drafter = engine.load_drafter(args.draft, target, weights=args.draft_weights) if args.method != "ar" else None
     settings = engine.DecodeSettings(args.method, args.budget)
     prompt = list(range(1000, 1128))
     if isinstance(tp, SoloShard):

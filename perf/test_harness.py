@@ -43,7 +43,7 @@ def fake_harness(monkeypatch):
         return FakeTarget()
 
     monkeypatch.setattr(harness_module, "load_target", load_target)
-    monkeypatch.setattr(harness_module, "load_drafter", lambda spec, target: ("drafter", spec))
+    monkeypatch.setattr(harness_module, "load_drafter", lambda spec, target, weights: ("drafter", spec, weights))
     monkeypatch.setattr(harness_module, "Bench", lambda target, drafter, miss_rate, **runs: SimpleNamespace(
         target=target, miss_rate=miss_rate))
     monkeypatch.setattr(harness_module, "suite_pairs", lambda config, on_gpu: dict(PAIRS))

@@ -96,7 +96,8 @@ def measure_all() -> dict:
             results.update({(pair.name, w, m): f"{pair.name}: {skip}" for w in WORKLOADS for m in METHODS})
             continue
         target = engine.load_target(pair.target, device, dtype)
-        bench = Bench(target, engine.load_drafter(pair.draft, target), miss_rate=pair.miss_rate,
+        drafter = engine.load_drafter(pair.draft, target, weights=pair.draft_weights)
+        bench = Bench(target, drafter, miss_rate=pair.miss_rate,
                       **REGISTRY.runs_for(device.type))
         for w in WORKLOADS:
             for m in METHODS:
@@ -171,7 +172,8 @@ def measure_concurrency() -> dict:
             results.update({(pair.name, m): f"{pair.name}: {skip}" for m in CONCURRENCY_METHODS})
             continue
         target = engine.load_target(pair.target, device, dtype)
-        bench = Bench(target, engine.load_drafter(pair.draft, target), miss_rate=pair.miss_rate,
+        drafter = engine.load_drafter(pair.draft, target, weights=pair.draft_weights)
+        bench = Bench(target, drafter, miss_rate=pair.miss_rate,
                       **REGISTRY.runs_for(device.type))
         for r in sweep(bench, list(CONCURRENCY_METHODS), list(WORKLOADS), new_tokens, [TRACKED_CONCURRENCY],
                        progress=False):
