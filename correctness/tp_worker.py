@@ -5,7 +5,8 @@ width 1, on every rank; rank 0 writes what it measured as JSON.
 
 Per target: the prefill logits of a prompt at width 1 and sharded (max abs difference), greedy AR at width 1 and
 sharded (tokens), and DFlash / DDTree at the sharded width with a random draft and with the oracle drafter
-(multi-token acceptance, side branches) compared with sharded AR under the exactness rule.
+(multi-token acceptance, side branches) compared with sharded AR under the exactness rule; the random drafts also
+sharded, and with int8 weights.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from engine.results import write_json
 
 NEW_TOKENS = 40
 CASES = (("dflash", 0, "random:1"), ("dflash", 0, "oracle"), ("ddtree", 4, "random:1"), ("ddtree", 15, "oracle"),
-         ("ddtree", 6, "oracle"), ("dflash", 0, "sharded random:2"), ("ddtree", 6, "sharded random:2"))
+         ("ddtree", 6, "oracle"), ("dflash", 0, "sharded random:2"), ("ddtree", 6, "sharded random:2"),
+         ("ddtree", 6, "int8 random:2"))  # int8: the replicated draft with int8 weights and its LM head's vocab shard
 
 
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
@@ -52,8 +54,9 @@ def check_target(spec: str, tp) -> dict:
         if draft == "oracle":
             drafter = engine.OracleDrafter(ids + ar.tokens, vocab, 8, miss_rate=0.3, seed=3)
         else:
-            sharded, _, spec = draft.rpartition(" ")
-            drafter = engine.load_drafter(spec, target, block_size=8, shard=bool(sharded))
+            *how, spec = draft.split()
+            drafter = engine.load_drafter(spec, target, block_size=8, shard="sharded" in how,
+                                          weights="int8" if "int8" in how else "model")
         result = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, budget)).generate(ids, NEW_TOKENS)
         verdict = compare_tokens(ar.tokens, ar.margins, result.tokens, tol)
         out["methods"][f"{method}-{budget}-{draft}"] = dict(ok=verdict.ok, verdict=verdict.describe(),
