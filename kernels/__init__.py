@@ -11,6 +11,7 @@
 - argmax: the greedy token of each logits row in one launch, the vocabulary split over programs (the decode loop's
   torch.argmax(-1), which reads a row with one thread block).
 - verify_rows: a verify pass's inputs (ids, embeddings, rotary rows, cache slots, visible lists) in one launch.
+- int8_linear: a weight-only int8 GEMM with a scale per output row (a draft's weights, `--draft-weights int8`).
 
 Each public function dispatches to its Triton kernel for CUDA tensors and to the reference otherwise;
 ENGINE_DISABLE_TRITON=1 forces the references everywhere.
