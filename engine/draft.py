@@ -132,17 +132,16 @@ class DFlashDrafter(Drafter):
     def __init__(self, draft: DFlashDraftModel, target: Transformer, block_size: int | None = None,
                  weights: str = "model"):
         """weights: "model" keeps the draft's weights in the target's dtype; "int8" stores every projection of the
-        draft and a copy of the target's LM head as int8 with a scale per output row (`quantize_int8_weights`)."""
+        draft and a copy of the target's LM head as int8 with a scale per output row (`_quantize_int8_weights`)."""
         if weights not in DRAFT_WEIGHTS:
             raise EngineError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {weights!r}")
         self.draft = draft.eval().requires_grad_(False)
         fuse_projections(draft.layers)
         self.target = target
-        self.weights = weights
         self.fc_weight: torch.Tensor | Int8Weight = draft.fc.weight
         self.int8_head: Int8Weight | None = None  # the LM head for the draft's logits (None: the target's own)
         if weights == "int8":
-            self.quantize_int8_weights()
+            self._quantize_int8_weights()
         dcfg = draft.dcfg
         self.block_size = dcfg.block_size if block_size is None else block_size
         self.feature_layers = tuple(dcfg.target_layer_ids)
@@ -156,7 +155,7 @@ class DFlashDrafter(Drafter):
         self.block_visible_rows = visible_rows(self.block_visible)  # once, not per layer and round
         self.mask_ids = torch.full((max(self.block_size - 1, 0),), self.mask_token_id, dtype=torch.long, device=dev)
 
-    def quantize_int8_weights(self) -> None:
+    def _quantize_int8_weights(self) -> None:
         """A draft only proposes: the target's verify decides every token, so int8 weights change its acceptance at
         most, never the output. Its round streams half the bytes (docs/design.md, "Int8 draft weights"). The
         layers then run their projections through kernels.int8_linear (not kernels.skinny_linear's fused norms),
