@@ -30,7 +30,8 @@ TINY = {
 
 
 def make_tiny_checkpoint(root, name: str, seed: int = 0):
-    """Write a random checkpoint with save_pretrained; return (path, the transformers model)."""
+    """Write a random checkpoint with save_pretrained, its RMSNorm gains spread over [0.5, 1.5] (they start at one,
+    where a gain applied to the wrong axis, or not at all, would not show); return (path, the transformers model)."""
     import transformers
 
     cfg_cls, model_cls, kw = TINY[name]
@@ -38,6 +39,10 @@ def make_tiny_checkpoint(root, name: str, seed: int = 0):
     cfg = getattr(transformers, cfg_cls)(max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,
                                          eos_token_id=2, **kw)
     model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
     path = root / name
     model.save_pretrained(path, max_shard_size="100KB" if "sharded" in name else "10GB")
     return path, model

@@ -31,6 +31,7 @@ from kernels.fused import (qk_norm_rope_store, qk_norm_rope_store_reference, qk_
                            silu_mul, silu_mul_reference, silu_mul_triton)
 
 EPS = 1e-6
+FOLD_EPS = 1e-5  # the folded norm's epsilon: not the q/k norms' (a kernel that mixed them up would show)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -41,6 +42,12 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, context: str) -> None:
 
 def rand(gen, *shape, dtype, device="cpu", scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def small_first_row(h: torch.Tensor) -> torch.Tensor:
+    """h with its first row scaled down to where the norm's epsilon matters (mean square ~1e-5)."""
+    h.view(-1, h.shape[-1])[0] *= 1e-3
+    return h
 
 
 def rope_cos_sin(gen, B, T, R, dtype, device="cpu", start=0):
@@ -75,10 +82,11 @@ def check_rmsnorm(fn, gen, shape, dtype, device, residual: bool, context: str, i
 
 
 def qk_case(gen, B, T, H, KVH, D, R, norms, dtype, device="cpu", cap=64, start=None, layers=2, pad=8,
-            per_row=False, gated=False):
+            per_row=False, gated=False, folded=0):
     """Inputs of one qk_norm_rope_store case; caches are layer 1 of [layers, B, KVH, cap, D + pad] bases, [..., :D].
     per_row: slots [B, T], each batch row its own (separate sequences). gated: qkv is [q | gate | k | v], the gate
-    columns NaN (a kernel that read them would write NaN)."""
+    columns NaN (a kernel that read them would write NaN). folded=N: a norm_input of N columns (a folded norm's
+    rows, one scale per row: engine.model's folded norms)."""
     qkv = rand(gen, B, T, ((2 if gated else 1) * H + 2 * KVH) * D, dtype=dtype, device=device, scale=2.0)
     if gated:
         qkv[..., H * D:2 * H * D] = float("nan")
@@ -99,7 +107,8 @@ def qk_case(gen, B, T, H, KVH, D, R, norms, dtype, device="cpu", cap=64, start=N
         written[1, b, :, row_slots, :D] = True
     k_base[written] = float("nan")
     v_base[written] = float("nan")
-    return dict(qkv=qkv, q_norm=q_norm, k_norm=k_norm, cos=cos, sin=sin, slots=slots,
+    norm_input = small_first_row(rand(gen, B, T, folded, dtype=dtype, device=device, scale=3.0)) if folded else None
+    return dict(qkv=qkv, q_norm=q_norm, k_norm=k_norm, cos=cos, sin=sin, slots=slots, norm_input=norm_input,
                 k_base=k_base, v_base=v_base, written=written, dims=(H, KVH, D), gated=gated)
 
 
@@ -109,9 +118,12 @@ def check_qk(fn, case, context: str, use_out=True) -> None:
     kb_ref, vb_ref = case["k_base"].clone(), case["v_base"].clone()
     kb, vb = case["k_base"].clone(), case["v_base"].clone()
     args = (case["qkv"], H, KVH, D, case["q_norm"], case["k_norm"], EPS, case["cos"], case["sin"])
-    gated = case["gated"]
-    want = qk_norm_rope_store_reference(*args, kb_ref[1, ..., :D], vb_ref[1, ..., :D], case["slots"], gated)
+    gated, norm_input = case["gated"], case["norm_input"]
+    want = qk_norm_rope_store_reference(*args, kb_ref[1, ..., :D], vb_ref[1, ..., :D], case["slots"], gated,
+                                        norm_input, FOLD_EPS)
     kw = {"gated": True} if gated else {}
+    if norm_input is not None:
+        kw.update(norm_input=norm_input, norm_eps=FOLD_EPS)
     if use_out:  # a strided out=: [B, H, T, D] inside a [B, T, H, D + 4] buffer
         buf = torch.full((B, T, H, D + 4), float("nan"), dtype=want.dtype, device=want.device)
         kw["out"] = buf[..., :D].transpose(1, 2)
@@ -122,18 +134,26 @@ def check_qk(fn, case, context: str, use_out=True) -> None:
     written = case["written"]
     assert torch.equal(kb[~written], kb_ref[~written]), f"{context}: k cache changed outside the written rows"
     assert torch.equal(vb[~written], vb_ref[~written]), f"{context}: v cache changed outside the written rows"
-    assert torch.equal(vb[written], vb_ref[written]), f"{context}: v rows differ"
+    if norm_input is None:  # copied as it comes; scaled by the folded norm, it is rounded like q and k
+        assert torch.equal(vb[written], vb_ref[written]), f"{context}: v rows differ"
+    else:
+        assert_close(vb[written], vb_ref[written], f"{context} v rows")
     assert_close(kb[written], kb_ref[written], f"{context} k rows")
 
 
-def check_silu(fn, gen, shape, dtype, device, context: str) -> None:
+def check_silu(fn, gen, shape, dtype, device, context: str, folded: int = 0) -> None:
+    """folded=N: with a norm_input of N columns."""
     gu = rand(gen, *shape, dtype=dtype, device=device, scale=3.0)
-    want = silu_mul_reference(gu)
+    kw = {}
+    if folded:
+        h = small_first_row(rand(gen, *shape[:-1], folded, dtype=dtype, device=device, scale=3.0))
+        kw = dict(norm_input=h, norm_eps=FOLD_EPS)
+    want = silu_mul_reference(gu, **kw)
     out = torch.full(want.shape, float("nan"), dtype=dtype, device=device)
-    got = fn(gu, out=out)
+    got = fn(gu, out=out, **kw)
     assert got is out, f"{context}: not written into out="
     assert_close(got, want, context)
-    assert_close(fn(gu), want, f"{context} fresh")
+    assert_close(fn(gu, **kw), want, f"{context} fresh")
 
 
 def check_sigmoid(fn, gen, shape, dtype, device, context: str) -> None:
@@ -196,7 +216,14 @@ def _interp_qk() -> str:
         for B, T, H, KVH, D, R, norms in ((2, 3, 4, 2, 32, 8, "both"), (1, 4, 3, 1, 16, 16, None)):  # gated q
             case = qk_case(gen, B, T, H, KVH, D, R, norms, dtype, start=3, gated=True)
             check_qk(qk_norm_rope_store_triton, case, f"qk {dtype} gated B{B} T{T} H{H} KVH{KVH} D{D} R{R}")
-        cases += 3
+        # after a folded norm: widths below, at and past one chunk of the row's load (two chunks, the last masked)
+        for B, T, H, KVH, D, R, norms, N in ((1, 3, 4, 2, 32, 32, "both", 100), (2, 2, 2, 1, 16, 8, None, 64),
+                                             (1, 2, 2, 2, 16, 16, "k", fused.NORM_INPUT_CHUNK + 100)):
+            case = qk_case(gen, B, T, H, KVH, D, R, norms, dtype, start=5, folded=N)
+            check_qk(qk_norm_rope_store_triton, case, f"qk {dtype} folded N{N} B{B} T{T} H{H} KVH{KVH} {norms}")
+        case = qk_case(gen, 2, 3, 4, 2, 16, 16, "q", dtype, per_row=True, folded=72)
+        check_qk(qk_norm_rope_store_triton, case, f"qk {dtype} folded, per-row slots")
+        cases += 7
     return f"{cases} qk_norm_rope_store cases"
 
 
@@ -206,6 +233,9 @@ def _interp_silu() -> str:
     for dtype in DTYPES:
         for shape in ((1, 2 * 48), (3, 2 * 1500), (2, 2, 2 * 100)):  # 1500: two column blocks, the second masked
             check_silu(silu_mul_triton, gen, shape, dtype, "cpu", f"silu {dtype} {shape}")
+            cases += 1
+        for shape, N in (((3, 2 * 1500), 100), ((2, 2, 2 * 48), 64), ((2, 2 * 40), fused.NORM_INPUT_CHUNK + 100)):
+            check_silu(silu_mul_triton, gen, shape, dtype, "cpu", f"silu {dtype} {shape} folded N{N}", folded=N)
             cases += 1
     return f"{cases} silu_mul cases"
 
@@ -423,6 +453,12 @@ def test_gpu_qk_norm_rope_store(H, KVH, D, R, norms, gated):
     check_qk(qk_norm_rope_store_triton, case, "qk fp32 scattered slots")
     case = qk_case(gen, 1, 16, H, KVH, D, R, norms, BF16, "cuda", cap=4096, start=7, gated=gated)
     check_qk(lambda *a, out=None, **kw: qk_norm_rope_store(*a, **kw), case, "dispatcher", use_out=False)
+    if not gated:  # after a folded norm (engine.model): the 8B's width, and two chunks of the row's load
+        for T, N in ((1, 4096), (16, 4096), (65, 4096), (16, 8192)):
+            case = qk_case(gen, 1, T, H, KVH, D, R, norms, BF16, "cuda", cap=4096, start=900, pad=0, folded=N)
+            check_qk(qk_norm_rope_store_triton, case, f"qk folded N{N} T{T} H{H} KVH{KVH} D{D} R{R} {norms}")
+        case = qk_case(gen, 1, 16, H, KVH, D, R, norms, BF16, "cuda", cap=4096, start=7, folded=4096)
+        check_qk(lambda *a, out=None, **kw: qk_norm_rope_store(*a, **kw), case, "dispatcher, folded", use_out=False)
 
 
 @pytest.mark.gpu
@@ -434,6 +470,10 @@ def test_gpu_silu_mul(I):
         check_silu(silu_mul_triton, gen, (T, 2 * I), BF16, "cuda", f"silu T={T} I={I}")
     check_silu(silu_mul_triton, gen, (2, 16, 2 * I), BF16, "cuda", f"silu 3-d I={I}")
     check_silu(silu_mul_triton, gen, (16, 2 * I), torch.float32, "cuda", f"silu fp32 I={I}")
+    for T in (1, 16, 65):
+        check_silu(silu_mul_triton, gen, (T, 2 * I), BF16, "cuda", f"silu folded T={T} I={I}", folded=4096)
+    h = rand(gen, 16, 4096, dtype=BF16, device="cuda", scale=3.0)
+    assert_close(silu_mul(gu, norm_input=h, norm_eps=FOLD_EPS), silu_mul_reference(gu, h, FOLD_EPS), "dispatcher, folded")
     gu = rand(gen, 16, 2 * I, dtype=BF16, device="cuda")
     assert_close(silu_mul(gu), silu_mul_reference(gu), "dispatcher")
 

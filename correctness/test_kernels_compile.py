@@ -48,6 +48,8 @@ def skinny_constexprs(N: int, K: int) -> dict:
                 SOFT_RNE_OUT=False, K_CHUNKS=chunks, UNROLL=2 if chunks > 4 else 1, PDL=True, PREFETCH=True)
 
 
+QK_STORE = dict(qkv_ptr=BF16, qn_ptr=BF16, kn_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, slots_ptr=I64, q_ptr=BF16,
+                kc_ptr=BF16, vc_ptr=BF16, h_ptr=BF16, eps="fp32", norm_eps="fp32")
 INT8 = dict(x_ptr=BF16, q_ptr=ptr("i8"), s_ptr=F32, b_ptr=BF16, y_ptr=BF16)
 ALIGNED_INT8 = ("x_ptr", "q_ptr", "s_ptr", "y_ptr", "N", "K", "s_xm", "s_qn", "s_ym")
 
@@ -77,8 +79,11 @@ CASES = [
     ("rmsnorm with residual", fused._rmsnorm_kernel, dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, y_ptr=BF16,
                                                           h_ptr=BF16, eps="fp32"),
      dict(HAS_RES=True, BLOCK=4096, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
-    ("silu_mul", fused._silu_mul_kernel, dict(gu_ptr=BF16, out_ptr=BF16), dict(BLOCK=1024, SOFT_RNE=False, PDL=True),
-     dict(num_warps=4)),
+    ("silu_mul", fused._silu_mul_kernel, dict(gu_ptr=BF16, out_ptr=BF16, h_ptr=BF16, norm_eps="fp32"),
+     dict(BLOCK=1024, HAS_SCALE=False, BLOCK_H=1, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
+    ("silu_mul after a folded norm (8B)", fused._silu_mul_kernel,
+     dict(gu_ptr=BF16, out_ptr=BF16, h_ptr=BF16, norm_eps="fp32"),
+     dict(BLOCK=1024, HAS_SCALE=True, BLOCK_H=4096, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
     ("sigmoid_mul (gated attention's output gate)", fused._sigmoid_mul_kernel,
      dict(x_ptr=BF16, g_ptr=BF16, out_ptr=BF16), dict(BLOCK=1024, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
     ("compact_kv", tree_ops._compact_kv_kernel, dict(k_ptr=BF16, v_ptr=BF16, start_ptr=I64, path_ptr=I64,
@@ -93,11 +98,15 @@ CASES = [
     ("commit_tokens", tree_ops._commit_tokens_kernel,
      dict(path_ptr=I64, accepted_ptr=I64, bonus_ptr=I64, ids_ptr=I64, start_ptr=I64, tokens_ptr=I64, out_ptr=I64,
           nf_ptr=I64), dict(P=16, PCAP=16, HAS_NF=True), dict(num_warps=1)),
-    ("qk_norm_rope_store", fused._qk_norm_rope_store_kernel,
-     dict(qkv_ptr=BF16, qn_ptr=BF16, kn_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, slots_ptr=I64, q_ptr=BF16,
-          kc_ptr=BF16, vc_ptr=BF16, eps="fp32"),
-     dict(HAS_QN=True, HAS_KN=True, D=128, D_P2=128, R=128, SOFT_RNE=False, PDL=True), dict(num_warps=1,
-                                                                                 enable_fp_fusion=False)),
+    ("qk_norm_rope_store", fused._qk_norm_rope_store_kernel, QK_STORE,
+     dict(HAS_QN=True, HAS_KN=True, HAS_SCALE=False, BLOCK_H=1, D=128, D_P2=128, R=128, SOFT_RNE=False, PDL=True),
+     dict(num_warps=1, enable_fp_fusion=False)),
+    ("qk_norm_rope_store after a folded norm (8B)", fused._qk_norm_rope_store_kernel, QK_STORE,
+     dict(HAS_QN=True, HAS_KN=True, HAS_SCALE=True, BLOCK_H=4096, D=128, D_P2=128, R=128, SOFT_RNE=False, PDL=True),
+     dict(num_warps=1, enable_fp_fusion=False)),
+    ("qk_norm_rope_store after a folded norm, 8192 wide (two chunks)", fused._qk_norm_rope_store_kernel, QK_STORE,
+     dict(HAS_QN=False, HAS_KN=False, HAS_SCALE=True, BLOCK_H=4096, D=128, D_P2=128, R=128, SOFT_RNE=False, PDL=True),
+     dict(num_warps=1, enable_fp_fusion=False)),
     ("skinny linear, norm + residual prologue (SmolLM2 qkv)", skinny_linear._skinny_kernel, SKINNY,
      dict(NORM=True, HAS_RES=True, GLU=False, HAS_BIAS=False, **skinny_constexprs(960, 576)),
      dict(num_warps=4, enable_fp_fusion=False, divisible=ALIGNED_SKINNY)),

@@ -157,6 +157,7 @@ class Decoder:
     def __init__(self, target: Transformer, drafter: Drafter | None = None, settings: DecodeSettings = DecodeSettings(),
                  cuda_graphs: bool | None = None, run_ahead: bool | None = None):
         settings.validate(drafter)
+        target.fold_norms()  # before the first pass: two kernels fewer a layer where the target allows it
         self.target, self.settings = target, settings
         self.speculative = settings.method != "ar" and not (settings.method == "ddtree" and settings.budget == 0)
         self.drafter = drafter if self.speculative else None

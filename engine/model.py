@@ -81,6 +81,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tenso
     return skinny_linear(x, weight, bias)[0] if skinny_rows(skinny, x) else F.linear(x, weight, bias)
 
 
+def add_linear(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h += linear(x, weight) in place, in the GEMM (cuBLAS's beta = 1): a folded block's residual add. Returns h."""
+    h.view(-1, h.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), weight.t())
+    return h
+
+
 def skinny_rows(skinny: bool, x: torch.Tensor) -> bool:
     """A skinny layer's call with few rows per sequence (x [..., T, width]): decode, verify, a draft block. Longer
     calls (a prompt's prefill) use cuBLAS, whose large tiles read each weight once, as tree attention uses its
@@ -176,14 +182,17 @@ class Attention(nn.Module):
         (normed, rotated) queries [B, heads, T, head_dim] and the output gate [B, T, heads * head_dim] (or None)."""
         return self.heads(linear(x, self.qkv_weight, self.qkv_bias, self.skinny), cos, sin, layer_cache, slots)
 
-    def heads(self, qkv, cos, sin, layer_cache: AttentionLayerCache, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`project` after its GEMM: qkv [B, T, (q [+ gate] + k + v) widths] -> (queries, gate)."""
+    def heads(self, qkv, cos, sin, layer_cache: AttentionLayerCache, slots, norm_input: torch.Tensor | None = None,
+              norm_eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`project` after its GEMM: qkv [B, T, (q [+ gate] + k + v) widths] -> (queries, gate). norm_input: the rows
+        the GEMM read, when the norm before it is folded into its weight (Block.forward_folded)."""
         width = self.num_heads * self.head_dim
         gate = qkv[..., width:2 * width] if self.output_gate else None  # read in place: [q | gate | k | v]
         q = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                None if self.q_norm is None else self.q_norm.weight,
                                None if self.k_norm is None else self.k_norm.weight,
-                               self.eps, cos, sin, layer_cache.k, layer_cache.v, slots, gated=self.output_gate)
+                               self.eps, cos, sin, layer_cache.k, layer_cache.v, slots, gated=self.output_gate,
+                               norm_input=norm_input, norm_eps=norm_eps)
         return q, gate
 
     def attend(self, q: torch.Tensor, layer_cache: AttentionLayerCache, start, node_mask: torch.Tensor,
@@ -194,9 +203,13 @@ class Attention(nn.Module):
         o = q.new_empty(B, T, H, D).transpose(1, 2)
         return tree_attention(q, layer_cache.k, layer_cache.v, start, node_mask, rows=visible, out=o)
 
-    def out(self, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention output [B, H, T, D] (times sigmoid(gate) when gated) -> [B, T, hidden]."""
+    def out(self, o: torch.Tensor, gate: torch.Tensor | None = None, residual: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """Attention output [B, H, T, D] (times sigmoid(gate) when gated) -> [B, T, hidden]; with `residual` (a folded
+        block's), o_proj's output is added into it in place and it is returned."""
         o = o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+        if residual is not None:
+            return add_linear(residual, o, self.o_proj.weight)
         if gate is not None:
             o = sigmoid_mul(o, gate)
         if self.defer_reduce:
@@ -211,15 +224,16 @@ class Attention(nn.Module):
         """`forward` after its GEMM (which Block may have fused with the norm before it)."""
         return self.from_q(*self.heads(qkv, rows.cos, rows.sin, layer_cache, rows.slots), rows, layer_cache)
 
-    def from_q(self, q: torch.Tensor, gate: torch.Tensor | None, rows: Rows, layer_cache: AttentionLayerCache
-               ) -> torch.Tensor:
-        """`from_qkv` after its RoPE and cache store: attention of the queries [B, H, T, D], then o_proj."""
+    def from_q(self, q: torch.Tensor, gate: torch.Tensor | None, rows: Rows, layer_cache: AttentionLayerCache,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`from_qkv` after its RoPE and cache store: attention of the queries [B, H, T, D], then o_proj (added
+        into `residual` in place, if given: see `out`)."""
         if rows.node_mask is None:  # whole sequences from slot 0: causal over the rows just stored, no host read
             T = q.shape[2]
             o = F.scaled_dot_product_attention(q, layer_cache.k[:, :, :T], layer_cache.v[:, :, :T], is_causal=True,
                                                enable_gqa=self.num_heads != self.num_kv_heads)
-            return self.out(o, gate)
-        return self.out(self.attend(q, layer_cache, rows.start, rows.node_mask, rows.visible), gate)
+            return self.out(o, gate, residual)
+        return self.out(self.attend(q, layer_cache, rows.start, rows.node_mask, rows.visible), gate, residual)
 
 
 class MLP(nn.Module):
@@ -243,8 +257,11 @@ class MLP(nn.Module):
             return self.down(skinny_linear(x, self.gate_up_weight, self.gate_up_bias, glu=True)[0])
         return self.down(silu_mul(linear(x, self.gate_up_weight, self.gate_up_bias, False)))
 
-    def down(self, act: torch.Tensor) -> torch.Tensor:
-        """The down projection of act = silu(gate) * up [..., intermediate]."""
+    def down(self, act: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The down projection of act = silu(gate) * up [..., intermediate]; with `residual` (a folded block's),
+        added into it in place, which is returned."""
+        if residual is not None:
+            return add_linear(residual, act, self.down_proj.weight)
         if self.defer_reduce:
             return self.tp.row_parallel(act, self.down_proj.weight, self.down_proj.bias, MLP_SLOT)
         weight = self.down_proj.weight if self.down_int8 is None else self.down_int8
@@ -281,10 +298,42 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.skinny = False  # set by fuse_projections: the norms run inside the projections' kernels
+        self.folded = False  # set by Transformer.fold_norms: the norms' gains are in the qkv and gate/up weights
 
     @property
     def mixer(self) -> nn.Module:
         return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+
+    def foldable(self) -> bool:
+        """Whether Transformer.fold_norms can fold this block: plain attention and MLP, unsharded, 16- or 32-bit
+        weights, no biases (a bias would be scaled by the norm with the GEMM's output), and not skinny (whose
+        kernels run the norms already)."""
+        attn, mlp = self.mixer, self.mlp
+        return (isinstance(attn, Attention) and not attn.output_gate and not self.skinny
+                and attn.tp is None and mlp.tp is None and attn.o_int8 is None and mlp.down_int8 is None
+                and all(isinstance(w, torch.Tensor) and w.is_floating_point()
+                        for w in (attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight))
+                and attn.qkv_bias is None and attn.o_proj.bias is None and mlp.gate_up_bias is None
+                and mlp.down_proj.bias is None)
+
+    def fold_norm_gains(self) -> None:
+        """Multiply the input columns of the qkv and gate/up weights by the gains of the norms before them, in place
+        (once): linear(RMSNorm(h), W) = linear(h, W * gain) / rms(h) per row."""
+        self.self_attn.qkv_weight.mul_(self.input_layernorm.weight)
+        self.mlp.gate_up_weight.mul_(self.post_attention_layernorm.weight)
+        self.folded = True
+
+    def forward_folded(self, h: torch.Tensor, rows: Rows, layer_cache) -> torch.Tensor:
+        """The block after fold_norm_gains, on the whole residual stream h [B, T, hidden], updated in place and
+        returned. The qkv and gate/up GEMMs read h itself; the kernel after each (qk_norm_rope_store, silu_mul)
+        scales its rows by 1/rms(h), and o_proj and down_proj add into h in their GEMMs: seven kernels a layer, no
+        RMSNorm kernel, and the same arithmetic as `forward` but for rounding."""
+        attn, mlp = self.self_attn, self.mlp
+        q, _ = attn.heads(F.linear(h, attn.qkv_weight), rows.cos, rows.sin, layer_cache, rows.slots,
+                          norm_input=h, norm_eps=self.input_layernorm.eps)
+        attn.from_q(q, None, rows, layer_cache, residual=h)
+        act = silu_mul(F.linear(h, mlp.gate_up_weight), norm_input=h, norm_eps=self.post_attention_layernorm.eps)
+        return mlp.down(act, residual=h)
 
     def forward(self, pending, residual, rows: Rows, layer_cache):
         """The residual stream arrives as residual + pending, `pending` being the previous block's MLP output not
@@ -349,12 +398,25 @@ class Transformer(nn.Module):
         # tensor parallelism (engine.parallel.shard_target): this rank's vocabulary slice and KV heads
         self.tp = None
         self.vocab_start, self.vocab_per_rank, self.num_kv_heads = 0, cfg.vocab_size, cfg.num_kv_heads
+        self.norms_folded = False  # set by fold_norms
 
     def ready(self) -> "Transformer":
         """Called once the weights are in place: fuse projections, build the RoPE tables."""
         self.rotary = Rotary(self.cfg.hf, self.cfg.head_dim, self.embed_tokens.weight.device)
         fuse_projections(self.layers)
         return self.eval().requires_grad_(False)
+
+    def fold_norms(self) -> bool:
+        """Fold every block's two RMSNorms into the GEMMs after them (Block.forward_folded), once, in place: two
+        kernels fewer a layer in every forward pass from then on. Called by engine.decode.Decoder before its first
+        pass; applies where every block is foldable (Block.foldable), the model is not sharded and
+        ENGINE_FOLD_NORMS=0 (for A/B runs) is not set. Returns whether the norms are folded."""
+        if not self.norms_folded and env_switch("ENGINE_FOLD_NORMS") is not False and self.tp is None \
+                and all(block.foldable() for block in self.layers):
+            for block in self.layers:
+                block.fold_norm_gains()
+            self.norms_folded = True
+        return self.norms_folded
 
     @property
     def device(self) -> torch.device:
@@ -424,6 +486,15 @@ class Transformer(nn.Module):
         """The layers over the embedded rows x [B, T, hidden] (`forward` after its inputs)."""
         if self.cfg.hybrid and rows.schedule is None:
             rows = replace(rows, schedule=chain_schedule(x.shape[1], self.cfg.linear_conv_kernel, x.device))
+        if self.norms_folded:  # the blocks add into x, the residual stream, in place
+            width = x.shape[-1]
+            features = x.new_empty(*x.shape[:-1], len(capture) * width) if capture else None
+            for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
+                layer.forward_folded(x, rows, layer_cache)
+                if i in capture:  # the layer's output (HF hidden_states[i + 1])
+                    j = capture.index(i)
+                    features[..., j * width:(j + 1) * width].copy_(x)
+            return self.norm(x)[0], features
         captured = {}
         pending, residual = x, None  # the embeddings enter as the first pending output
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):

@@ -360,6 +360,9 @@ def shard_target(model, tp: TensorParallel) -> None:
     """Shard a loaded (full) Transformer in place for rank tp.rank of tp.world."""
     from .model import fuse_projections
 
+    if model.norms_folded:
+        raise EngineError("shard the target before decoding with it: a decoder has folded its norms into its weights "
+                          "(Transformer.fold_norms)")
     cfg, W, r = model.cfg, tp.world, tp.rank
     check_fits(cfg, W)
     for block in model.layers:

@@ -36,6 +36,11 @@ qk_norm_rope_store(qkv [B, T, (H + 2 KVH) D], H, KVH, D, q_norm [D] | None, k_no
 silu_mul(gate_up [..., 2I]) -> act [..., I]
     act = silu(gate) (rounded) * up (rounded), gate = gate_up[..., :I], up = gate_up[..., I:]; as F.silu(g) * u.
 
+norm_input=h [..., N] (qk_norm_rope_store and silu_mul; engine.model's folded norms): the GEMM before the kernel
+    multiplied h itself, not RMSNorm(h), by a weight with the norm's gain folded into its input columns. So each row of
+    qkv / gate_up is first scaled by rsqrt(mean(h.float()**2) + norm_eps) and rounded to the dtype (what the GEMM of
+    the normed row would have stored), and the kernel goes on as above.
+
 sigmoid_mul(x [..., N], gate [..., N]) -> x * sigmoid(gate)   (sigmoid rounded, then the product; as torch rounds)
     The output gate of Qwen3.5's attention: gate may be a strided column slice (the qkv GEMM's gate columns).
 
@@ -54,6 +59,8 @@ slots[t] and store into k_cache; v programs copy their head into v_cache. The q 
 helper called from two branches on the head index (q_norm and k_norm may be present independently).
 
 _silu_mul_kernel: grid (rows, cdiv(I, BLOCK)), BLOCK = min(1024, next_pow2(I)) columns per program, masked.
+With norm_input, every program of a row also reads that row of h (8 KB at 4096 wide, from L2 after the first) and
+computes its 1/rms: cheaper than a kernel of its own, which is what folding the norm saves.
 _sigmoid_mul_kernel: the same grid over x's N columns.
 """
 from __future__ import annotations
@@ -66,7 +73,7 @@ from kernels import next_pow2, pdl_launch, pdl_options, pdl_wait, tl, triton, tr
 __all__ = [
     "rmsnorm", "rmsnorm_reference", "rmsnorm_triton",
     "qk_norm_rope_store", "qk_norm_rope_store_reference", "qk_norm_rope_store_triton",
-    "silu_mul", "silu_mul_reference", "silu_mul_triton",
+    "silu_mul", "silu_mul_reference", "silu_mul_triton", "scale_by_norm_input",
     "sigmoid_mul", "sigmoid_mul_reference", "sigmoid_mul_triton",
     "triton_disabled",
 ]
@@ -89,6 +96,18 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     hf = h.float()
     normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * normed).to(x.dtype), h
+
+
+def scale_by_norm_input(x: torch.Tensor, norm_input: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., M] with each row times rsqrt(mean(h^2) + eps) of the same row of h = norm_input [..., N], rounded to
+    x's dtype: the output of a GEMM that read h with an RMSNorm's gain folded into its weight, made the output of
+    the GEMM of RMSNorm(h). x itself when norm_input is None."""
+    if norm_input is None:
+        return x
+    if norm_input.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"norm_input must have x's rows {tuple(x.shape[:-1])}, got {tuple(norm_input.shape)}")
+    hf = norm_input.float()
+    return (x.float() * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -132,11 +151,13 @@ def _check_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin,
 def qk_norm_rope_store_reference(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 slots: torch.Tensor, gated: bool = False) -> torch.Tensor:
+                                 slots: torch.Tensor, gated: bool = False, norm_input: torch.Tensor | None = None,
+                                 norm_eps: float = 1e-6) -> torch.Tensor:
     """Plain PyTorch: split heads, optional per-head RMSNorm of q and k, RoPE, index_copy_ of k and v into the caches.
 
     Returns q [B, H, T, D] (contiguous)."""
     _check_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, gated)
+    qkv = scale_by_norm_input(qkv, norm_input, norm_eps)
     B, T, _ = qkv.shape
     gates = num_heads if gated else 0
     q, _, k, v = qkv.reshape(B, T, num_heads + gates + 2 * num_kv_heads, head_dim).split(
@@ -157,9 +178,10 @@ def qk_norm_rope_store_reference(qkv: torch.Tensor, num_heads: int, num_kv_heads
     return q.contiguous()
 
 
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_reference(gate_up: torch.Tensor, norm_input: torch.Tensor | None = None, norm_eps: float = 1e-6
+                       ) -> torch.Tensor:
     """Plain PyTorch: F.silu(gate) * up with gate, up = gate_up.chunk(2, -1)."""
-    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = scale_by_norm_input(gate_up, norm_input, norm_eps).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -211,9 +233,21 @@ if triton is not None:
         tl.store(y_row + offs, y.to(dt), mask=mask)
 
     @triton.jit
-    def _norm_rope_head(src, w_ptr, cos_row, sin_row, dst, eps, HAS_NORM: tl.constexpr, D: tl.constexpr,
-                        D_P2: tl.constexpr, R: tl.constexpr, SOFT_RNE: tl.constexpr):
-        """One head: load, optional RMSNorm (weight at w_ptr), RoPE on the first R dims, store at dst."""
+    def _inv_rms(h_row, N, eps, BLOCK_H: tl.constexpr):
+        """rsqrt(mean(h^2) + eps) of the row at h_row (N values), in chunks of BLOCK_H."""
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k in range(0, N, BLOCK_H):
+            offs = k + tl.arange(0, BLOCK_H)
+            h = tl.load(h_row + offs, mask=offs < N, other=0.0).to(tl.float32)
+            acc += h * h
+        return tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+
+    @triton.jit
+    def _norm_rope_head(src, w_ptr, cos_row, sin_row, dst, eps, scale, HAS_NORM: tl.constexpr,
+                        HAS_SCALE: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, R: tl.constexpr,
+                        SOFT_RNE: tl.constexpr):
+        """One head: load (times the row's folded-norm scale, rounded), optional RMSNorm (weight at w_ptr), RoPE on
+        the first R dims, store at dst."""
         dt: tl.constexpr = dst.dtype.element_ty
         offs = tl.arange(0, D_P2)
         dmask = offs < D
@@ -222,6 +256,9 @@ if triton is not None:
         poffs = tl.where(first, offs + R // 2, offs - R // 2)  # the rotate_half partner (used where rot)
         x = tl.load(src + offs, mask=dmask, other=0.0).to(tl.float32)
         xp = tl.load(src + poffs, mask=rot, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            x = _round(x * scale, dt, SOFT_RNE)
+            xp = _round(xp * scale, dt, SOFT_RNE)
         if HAS_NORM:
             inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
             w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
@@ -237,10 +274,11 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, kc_ptr, vc_ptr,
-                                   T, H, KVH, gap, eps, s_slots_b,
+                                   h_ptr, T, H, KVH, gap, eps, s_slots_b, N, norm_eps, s_h_b, s_h_t,
                                    s_qkv_b, s_qkv_t, s_cos_b, s_cos_t, s_sin_b, s_sin_t,
                                    s_q_b, s_q_h, s_q_t, s_kc_b, s_kc_h, s_kc_s, s_vc_b, s_vc_h, s_vc_s,
-                                   HAS_QN: tl.constexpr, HAS_KN: tl.constexpr,
+                                   HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, HAS_SCALE: tl.constexpr,
+                                   BLOCK_H: tl.constexpr,
                                    D: tl.constexpr, D_P2: tl.constexpr, R: tl.constexpr, SOFT_RNE: tl.constexpr,
                                    PDL: tl.constexpr):
         pdl_wait(PDL)
@@ -251,23 +289,28 @@ if triton is not None:
         src = qkv_ptr + b * s_qkv_b + t * s_qkv_t + hd * D + tl.where(hd < H, 0, gap)  # gap: a gated q's gates
         cos_row = cos_ptr + b * s_cos_b + t * s_cos_t
         sin_row = sin_ptr + b * s_sin_b + t * s_sin_t
+        scale = 1.0
+        if HAS_SCALE:
+            scale = _inv_rms(h_ptr + b * s_h_b + t * s_h_t, N, norm_eps, BLOCK_H)
         if hd < H:
             dst = q_ptr + b * s_q_b + hd * s_q_h + t * s_q_t
-            _norm_rope_head(src, qn_ptr, cos_row, sin_row, dst, eps, HAS_QN, D, D_P2, R, SOFT_RNE)
+            _norm_rope_head(src, qn_ptr, cos_row, sin_row, dst, eps, scale, HAS_QN, HAS_SCALE, D, D_P2, R, SOFT_RNE)
         elif hd < H + KVH:
             slot = tl.load(slots_ptr + b * s_slots_b + t).to(tl.int64)
             dst = kc_ptr + b * s_kc_b + (hd - H) * s_kc_h + slot * s_kc_s
-            _norm_rope_head(src, kn_ptr, cos_row, sin_row, dst, eps, HAS_KN, D, D_P2, R, SOFT_RNE)
+            _norm_rope_head(src, kn_ptr, cos_row, sin_row, dst, eps, scale, HAS_KN, HAS_SCALE, D, D_P2, R, SOFT_RNE)
         else:
             slot = tl.load(slots_ptr + b * s_slots_b + t).to(tl.int64)
             offs = tl.arange(0, D_P2)
             dmask = offs < D
             v = tl.load(src + offs, mask=dmask, other=0.0)
+            if HAS_SCALE:
+                v = _round(v.to(tl.float32) * scale, vc_ptr.dtype.element_ty, SOFT_RNE).to(vc_ptr.dtype.element_ty)
             tl.store(vc_ptr + b * s_vc_b + (hd - H - KVH) * s_vc_h + slot * s_vc_s + offs, v, mask=dmask)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, I, s_gu, s_out, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr,
-                         PDL: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, h_ptr, I, s_gu, s_out, N, norm_eps, s_h, BLOCK: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr, SOFT_RNE: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -275,6 +318,10 @@ if triton is not None:
         dt: tl.constexpr = out_ptr.dtype.element_ty
         g = tl.load(gu_ptr + row * s_gu + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * s_gu + I + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            scale = _inv_rms(h_ptr + row * s_h, N, norm_eps, BLOCK_H)
+            g = _round(g * scale, dt, SOFT_RNE)
+            u = _round(u * scale, dt, SOFT_RNE)
         act = _round(g / (1.0 + tl.exp(-g)), dt, SOFT_RNE)
         tl.store(out_ptr + row * s_out + cols, _round(act * u, dt, SOFT_RNE).to(dt), mask=mask)
 
@@ -290,6 +337,23 @@ if triton is not None:
         g = tl.load(g_ptr + row * s_g + cols, mask=mask, other=0.0).to(tl.float32)
         s = _round(1.0 / (1.0 + tl.exp(-g)), dt, SOFT_RNE)
         tl.store(out_ptr + row * s_out + cols, _round(x * s, dt, SOFT_RNE).to(dt), mask=mask)
+
+
+NORM_INPUT_CHUNK = 4096  # values of a norm_input row a program loads at once (one load up to 4096 wide)
+
+
+def _norm_input_rows(norm_input: torch.Tensor | None, rows_of: torch.Tensor, lead: tuple, name: str
+                     ) -> tuple[torch.Tensor, int, int]:
+    """(norm_input viewed [rows, N] (rows_of itself as a dummy pointer when None), N, BLOCK_H), checked against the
+    leading dims `lead` of the tensor it scales."""
+    if norm_input is None:
+        return rows_of, 1, 1
+    if tuple(norm_input.shape[:-1]) != tuple(lead) or norm_input.device != rows_of.device \
+            or norm_input.dtype not in _DTYPES:
+        raise ValueError(f"norm_input must be [{', '.join(map(str, lead))}, N] on {rows_of.device} (the rows of "
+                         f"{name}), got {tuple(norm_input.shape)} {norm_input.dtype} on {norm_input.device}")
+    N = norm_input.shape[-1]
+    return _rows(norm_input, N, "norm_input"), N, min(NORM_INPUT_CHUNK, next_pow2(N))
 
 
 def _soft_rne(t: torch.Tensor) -> bool:
@@ -360,12 +424,12 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
 def qk_norm_rope_store_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                               cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              slots: torch.Tensor, out: torch.Tensor | None = None, gated: bool = False
-                              ) -> torch.Tensor:
+                              slots: torch.Tensor, out: torch.Tensor | None = None, gated: bool = False,
+                              norm_input: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
     """The Triton kernel. `slots`: [T] int32/int64 on qkv's device, or [B, T] (each batch row its own). `out`, if
     given, is a [B, H, T, D] tensor of qkv's dtype (any strides with a contiguous last dim) that receives q. The caches
-    may be strided views (last dim contiguous). `gated`: qkv is [q | gate | k | v]. One launch, grid (B * T, H + 2
-    KVH)."""
+    may be strided views (last dim contiguous). `gated`: qkv is [q | gate | k | v]. `norm_input` [B, T, N]: see the
+    module docstring. One launch, grid (B * T, H + 2 KVH)."""
     if triton is None:
         raise RuntimeError("qk_norm_rope_store_triton needs triton")
     _check_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, gated)
@@ -396,23 +460,28 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: i
         sin = sin.contiguous()
     d_p2 = next_pow2(D)
     slots = slots.contiguous()
+    h2, N, block_h = _norm_input_rows(norm_input, qkv, (B, T), "qkv")
     pdl = pdl_launch(qkv)
     _qk_norm_rope_store_kernel[(B * T, H + 2 * KVH)](
         qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos, sin, slots, out,
-        k_cache, v_cache, T, H, KVH, H * D if gated else 0, float(eps), slots.stride(0) if slots.dim() == 2 else 0,
+        k_cache, v_cache, h2, T, H, KVH, H * D if gated else 0, float(eps), slots.stride(0) if slots.dim() == 2 else 0,
+        N, float(norm_eps), T * h2.stride(0), h2.stride(0),
         qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, D=D, D_P2=d_p2, R=R, SOFT_RNE=_soft_rne(qkv),
+        HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, HAS_SCALE=norm_input is not None, BLOCK_H=block_h,
+        D=D, D_P2=d_p2, R=R, SOFT_RNE=_soft_rne(qkv),
         PDL=pdl, num_warps=1 if d_p2 <= 128 else 2,
         enable_fp_fusion=False,  # no FMA contraction: round each RoPE product like the reference does
         **pdl_options(pdl))
     return out
 
 
-def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton kernel. `out`, if given, is a [..., I] tensor of gate_up's dtype viewable as [rows, I]."""
+def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None, norm_input: torch.Tensor | None = None,
+                    norm_eps: float = 1e-6) -> torch.Tensor:
+    """The Triton kernel. `out`, if given, is a [..., I] tensor of gate_up's dtype viewable as [rows, I].
+    `norm_input` [..., N]: see the module docstring."""
     if triton is None:
         raise RuntimeError("silu_mul_triton needs triton")
     if gate_up.shape[-1] % 2:
@@ -427,9 +496,12 @@ def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> t
     g2 = _rows(gate_up, 2 * I, "gate_up")
     if g2.shape[0] == 0 or I == 0:
         return out
+    h2, N, block_h = _norm_input_rows(norm_input, g2, gate_up.shape[:-1], "gate_up")
     block = min(SILU_BLOCK, next_pow2(I))
     pdl = pdl_launch(gate_up)
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, block))](g2, o2, I, g2.stride(0), o2.stride(0), BLOCK=block,
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, block))](g2, o2, h2, I, g2.stride(0), o2.stride(0), N,
+                                                           float(norm_eps), h2.stride(0), BLOCK=block,
+                                                           HAS_SCALE=norm_input is not None, BLOCK_H=block_h,
                                                            SOFT_RNE=_soft_rne(gate_up), PDL=pdl,
                                                            num_warps=4 if block >= 512 else 2, **pdl_options(pdl))
     return out
@@ -478,21 +550,25 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor, gated: bool = False) -> torch.Tensor:
+                       slots: torch.Tensor, gated: bool = False, norm_input: torch.Tensor | None = None,
+                       norm_eps: float = 1e-6) -> torch.Tensor:
     """q [B, H, T, D]; k and v written into the caches: the Triton kernel for CUDA tensors, else the reference."""
     same_dtype = all(t is None or t.dtype == qkv.dtype for t in (q_norm, k_norm, cos, sin, k_cache, v_cache))
-    if _use_triton(qkv, k_cache, v_cache, cos, sin, slots) and same_dtype:
+    if _use_triton(qkv, k_cache, v_cache, cos, sin, slots) and same_dtype \
+            and (norm_input is None or norm_input.is_cuda):
         return qk_norm_rope_store_triton(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos, sin,
-                                         k_cache, v_cache, slots, gated=gated)
+                                         k_cache, v_cache, slots, gated=gated, norm_input=norm_input,
+                                         norm_eps=norm_eps)
     return qk_norm_rope_store_reference(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos, sin,
-                                        k_cache, v_cache, slots, gated)
+                                        k_cache, v_cache, slots, gated, norm_input, norm_eps)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up: the Triton kernel for CUDA tensors, else the reference."""
-    if _use_triton(gate_up):
-        return silu_mul_triton(gate_up)
-    return silu_mul_reference(gate_up)
+def silu_mul(gate_up: torch.Tensor, norm_input: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
+    """silu(gate) * up (of the folded norm's rows, with norm_input): the Triton kernel for CUDA tensors, else the
+    reference."""
+    if _use_triton(gate_up) and (norm_input is None or norm_input.is_cuda):
+        return silu_mul_triton(gate_up, norm_input=norm_input, norm_eps=norm_eps)
+    return silu_mul_reference(gate_up, norm_input, norm_eps)
 
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
