@@ -208,10 +208,10 @@ class Attention(nn.Module):
         """Attention output [B, H, T, D] (times sigmoid(gate) when gated) -> [B, T, hidden]; with `residual` (a folded
         block's), o_proj's output is added into it in place and it is returned."""
         o = o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
-        if residual is not None:
-            return add_linear(residual, o, self.o_proj.weight)
         if gate is not None:
             o = sigmoid_mul(o, gate)
+        if residual is not None:
+            return add_linear(residual, o, self.o_proj.weight)
         if self.defer_reduce:
             return self.tp.row_parallel(o, self.o_proj.weight, self.o_proj.bias, ATTENTION_SLOT)
         out = linear(o, self.o_proj.weight if self.o_int8 is None else self.o_int8, self.o_proj.bias, self.skinny)

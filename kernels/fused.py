@@ -56,7 +56,8 @@ partner elements with a second gathered load of the same row (cheaper than a reg
 the same numbers): the RMSNorm scale is per head, so the partner's normed value is recomputed from the partner's
 raw value, the shared 1/rms and the partner's weight. q programs store into q [B, H, T, D]; k programs load
 slots[t] and store into k_cache; v programs copy their head into v_cache. The q and k bodies are one @triton.jit
-helper called from two branches on the head index (q_norm and k_norm may be present independently).
+helper called from two branches on the head index (q_norm and k_norm may be present independently). With norm_input,
+each program first reads its token's row of h for the row's 1/rms (every head of a token reads the same row).
 
 _silu_mul_kernel: grid (rows, cdiv(I, BLOCK)), BLOCK = min(1024, next_pow2(I)) columns per program, masked.
 With norm_input, every program of a row also reads that row of h (8 KB at 4096 wide, from L2 after the first) and
