@@ -51,10 +51,11 @@ def passes(model, capture=(0, 1)):
 def test_folded_passes_equal_the_unfolded(checkpoints, name):
     model = engine.load_target(str(checkpoints[name]), "cpu", torch.float32).model
     before = passes(model)
-    qkv = model.layers[0].self_attn.qkv_weight.clone()
-    assert model.fold_norms() and model.norms_folded and all(block.folded for block in model.layers)
-    gain = model.layers[0].input_layernorm.weight
-    assert torch.equal(model.layers[0].self_attn.qkv_weight, qkv * gain), "the gain belongs on the input columns"
+    plain = [(b.self_attn.qkv_weight.clone(), b.mlp.gate_up_weight.clone()) for b in model.layers]
+    assert model.fold_norms() and model.norms_folded
+    for block, (qkv, gate_up) in zip(model.layers, plain):  # every block, the gains on the input columns
+        assert torch.equal(block.self_attn.qkv_weight, qkv * block.input_layernorm.weight)
+        assert torch.equal(block.mlp.gate_up_weight, gate_up * block.post_attention_layernorm.weight)
     for i, (want, got) in enumerate(zip(before, passes(model))):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"output {i}: {m}")
 
@@ -74,8 +75,9 @@ def test_fold_declines_where_it_does_not_apply(checkpoints, monkeypatch):
     assert not hybrid.fold_norms()
     monkeypatch.setenv("ENGINE_FOLD_NORMS", "0")
     plain = engine.load_target(str(checkpoints["llama-gqa-untied"]), "cpu", torch.float32)
+    qkv = plain.model.layers[0].self_attn.qkv_weight.clone()
     engine.Decoder(plain.model)
-    assert not plain.model.norms_folded and not any(block.folded for block in plain.model.layers)
+    assert not plain.model.norms_folded and torch.equal(plain.model.layers[0].self_attn.qkv_weight, qkv)
     monkeypatch.setenv("ENGINE_FOLD_NORMS", "maybe")
     with pytest.raises(EngineError, match="ENGINE_FOLD_NORMS"):
         plain.model.fold_norms()

@@ -298,7 +298,6 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.skinny = False  # set by fuse_projections: the norms run inside the projections' kernels
-        self.folded = False  # set by Transformer.fold_norms: the norms' gains are in the qkv and gate/up weights
 
     @property
     def mixer(self) -> nn.Module:
@@ -321,7 +320,6 @@ class Block(nn.Module):
         (once): linear(RMSNorm(h), W) = linear(h, W * gain) / rms(h) per row."""
         self.self_attn.qkv_weight.mul_(self.input_layernorm.weight)
         self.mlp.gate_up_weight.mul_(self.post_attention_layernorm.weight)
-        self.folded = True
 
     def forward_folded(self, h: torch.Tensor, rows: Rows, layer_cache) -> torch.Tensor:
         """The block after fold_norm_gains, on the whole residual stream h [B, T, hidden], updated in place and

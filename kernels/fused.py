@@ -94,9 +94,13 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain PyTorch RMSNorm (HF Llama/Qwen3 style) with an optional residual add first. Returns (y, h)."""
     h = x if residual is None else x + residual
-    hf = h.float()
-    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = (h.float() * _inv_rms_reference(h, eps)).to(x.dtype)
     return (weight * normed).to(x.dtype), h
+
+
+def _inv_rms_reference(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(h^2) + eps) per row of h, in float32, keepdim."""
+    return torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
 def scale_by_norm_input(x: torch.Tensor, norm_input: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -107,8 +111,7 @@ def scale_by_norm_input(x: torch.Tensor, norm_input: torch.Tensor | None, eps: f
         return x
     if norm_input.shape[:-1] != x.shape[:-1]:
         raise ValueError(f"norm_input must have x's rows {tuple(x.shape[:-1])}, got {tuple(norm_input.shape)}")
-    hf = norm_input.float()
-    return (x.float() * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (x.float() * _inv_rms_reference(norm_input, eps)).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
