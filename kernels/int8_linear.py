@@ -75,12 +75,18 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
 
 def int8_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows of x against an [N, K] int8 weight. A draft
-    block's few rows: 32 weight rows a program (a program per SM and more at 4096 outputs), long K steps with the
-    loads of 3-4 of them in flight; past 32 rows shorter steps, to stay within shared memory. A prompt's many rows:
-    square tiles. Tuned on an H100 at a Qwen3-8B draft's shapes (docs/performance.md, "Int8 draft weights")."""
+    block's few rows: 32 weight rows a program. Where that makes 192 programs or more (1.5 an SM), 2 warps with
+    256-wide K steps and 3 in flight: with 4, Triton lays the warps 2 x 2 over the 32 x 16 output and every weight
+    byte is converted twice. Fewer programs: 4 warps and 4 steps in flight, 512 wide from K 8192. Past 32 rows
+    shorter steps, to stay within shared memory; a prompt's many rows: square tiles. Tuned on an H100 at a Qwen3-8B
+    draft's shapes (docs/performance.md, "Int8 draft weights")."""
+    if M <= 32:
+        block_m = max(16, next_pow2(M))
+        if -(-N // 32) >= 192:
+            return block_m, 32, min(256, max(32, next_pow2(K))), 2, 3
+        return block_m, 32, min(512 if K >= 8192 else 256, max(32, next_pow2(K))), 4, 4
     if M <= 64:
-        long_k = K >= 8192 and M <= 32
-        return max(16, next_pow2(M)), 32, min(512 if long_k else 256, max(32, next_pow2(K))), 4, 4 if long_k else 3
+        return 64, 32, min(256, max(32, next_pow2(K))), 4, 3
     return 64, 128, min(64, max(32, next_pow2(K))), 8, 3
 
 
