@@ -72,7 +72,7 @@ def _interp_reversed() -> str:
 def _interp_configs() -> str:
     """Every tile shape int8_config can pick, forced on one small shape."""
     gen = torch.Generator().manual_seed(3)
-    configs = {int8_config(M, N, K) for M in (1, 20, 40, 64, 65) for N, K in ((64, 64), (4096, 4096))}
+    configs = {int8_config(M, N, K) for M in (1, 20, 40, 64, 65) for N, K in ((64, 64), (4096, 4096), (8192, 4096))}
     for config in sorted(configs):
         check(int8_linear_triton, gen, 33, 150, 100, torch.bfloat16, config=config)
     return f"{len(configs)} configs"
