@@ -123,6 +123,17 @@ def dequantized(w):
     return qw.q.float() * qw.scale[:, None]
 
 
+def twelve_token_input(target, *drafters):
+    """A DraftInput of 12 context rows (random features) and 13 tokens, the drafters started for it."""
+    gen = torch.Generator().manual_seed(4)
+    F = len(drafters[0].feature_layers) * target.model.cfg.hidden_size
+    features = torch.randn(1, 12, F, generator=gen)
+    tokens = torch.randint(0, target.model.cfg.vocab_size, (1, 13), generator=gen)
+    for d in drafters:
+        d.start(prompt_len=12, capacity=64)
+    return DraftInput(tokens, torch.tensor(12), features, torch.tensor(12)), features, tokens
+
+
 def test_int8_weights_compute_the_draft_of_the_dequantized_weights(tiny_checkpoints):
     """--draft-weights int8: every projection and the LM head run from int8 weights with a scale per row. The
     proposal is the from-scratch draft of those weights dequantized, and not the draft's own (the int8 path ran)."""
@@ -134,13 +145,7 @@ def test_int8_weights_compute_the_draft_of_the_dequantized_weights(tiny_checkpoi
     int8 = engine.load_drafter("random:2", target, 8, seed=3, weights="int8")
     released = int8.draft.layers[0].mlp.down_proj.weight
     assert released.numel() == 0 and int8.draft.fc.weight.numel() == 0  # the 16-bit copies are gone
-    gen = torch.Generator().manual_seed(4)
-    F = len(exact.feature_layers) * target.model.cfg.hidden_size
-    features = torch.randn(1, 12, F, generator=gen)
-    tokens = torch.randint(0, target.model.cfg.vocab_size, (1, 13), generator=gen)
-    inp = DraftInput(tokens, torch.tensor(12), features, torch.tensor(12))
-    for d in (exact, int8):
-        d.start(prompt_len=12, capacity=64)
+    inp, features, tokens = twelve_token_input(target, exact, int8)
     own, got = exact.propose(inp), int8.propose(inp)
     with torch.no_grad():
         for m in exact.draft.modules():
@@ -152,15 +157,38 @@ def test_int8_weights_compute_the_draft_of_the_dequantized_weights(tiny_checkpoi
     assert (got - own).abs().max() > 1e-3  # quantization moved the logits: the int8 path ran
 
 
-def test_int8_draft_decodes_losslessly(tiny_checkpoints):
+@pytest.mark.parametrize("weights", ["int8", "w8a8"])
+def test_int8_draft_decodes_losslessly(tiny_checkpoints, weights):
     path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
     target = engine.load_target(str(path), "cpu", torch.float32)
     prompt = [5, 9, 2, 7, 11, 3]
     ar = engine.Decoder(target.model).generate(prompt, 24).tokens
-    drafter = engine.load_drafter("random:2", target, 6, weights="int8")
+    drafter = engine.load_drafter("random:2", target, 6, weights=weights)
     for method, budget in (("dflash", 0), ("ddtree", 6)):
         decoder = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, budget))
         assert decoder.generate(prompt, 24).tokens == ar, method
+
+
+def test_w8a8_draft_quantizes_the_rows_its_norms_hand_on(tiny_checkpoints, monkeypatch):
+    """--draft-weights w8a8: the int8 draft, but the qkv, gate/up and LM-head GEMMs read int8 rows made by the norms
+    (kernels.int8_linear.Int8Rows). Its proposal is close to the int8 draft's, not equal (the rows were rounded), and
+    every one of those GEMMs got int8 rows."""
+    from engine import model as model_module
+    from kernels.int8_linear import Int8Rows
+
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    int8 = engine.load_drafter("random:2", target, 8, seed=3, weights="int8")
+    w8a8 = engine.load_drafter("random:2", target, 8, seed=3, weights="w8a8")
+    inp = twelve_token_input(target, int8, w8a8)[0]
+    calls = []
+    real = model_module.int8_linear
+    monkeypatch.setattr(model_module, "int8_linear",
+                        lambda x, *a, **k: calls.append(isinstance(x, Int8Rows)) or real(x, *a, **k))
+    want, got = int8.propose(inp), w8a8.propose(inp)
+    n = len(calls) // 2
+    assert sum(calls[:n]) == 0 and sum(calls[n:]) == 2 * 2 + 1  # qkv and gate/up of 2 layers, the LM head
+    assert 0 < (got - want).abs().max() < 0.1 * want.abs().max()
 
 
 def test_int8_draft_weights_bad_requests_get_one_error(tiny_checkpoints):
@@ -170,7 +198,7 @@ def test_int8_draft_weights_bad_requests_get_one_error(tiny_checkpoints):
 
     path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
     target = engine.load_target(str(path), "cpu", torch.float32)
-    with pytest.raises(EngineError, match="draft weights must be one of model, int8, got 'fp4'"):
+    with pytest.raises(EngineError, match="draft weights must be one of model, int8, w8a8, got 'fp4'"):
         engine.load_drafter("random:1", target, 4, weights="fp4")
     draft = random_draft(target, 1)
     draft.layers[0].self_attn.tp = object()  # as engine.parallel.shard_draft leaves a sharded draft

@@ -29,6 +29,7 @@ from correctness.kernel_harness import assert_close_ulps, assert_interpreted_ok,
 from kernels.fused import (qk_norm_rope_store, qk_norm_rope_store_reference, qk_norm_rope_store_triton, rmsnorm,
                            rmsnorm_reference, rmsnorm_triton, sigmoid_mul, sigmoid_mul_reference, sigmoid_mul_triton,
                            silu_mul, silu_mul_reference, silu_mul_triton)
+from kernels.int8_linear import Int8Rows, quantize_rows_int8
 
 EPS = 1e-6
 FOLD_EPS = 1e-5  # the folded norm's epsilon: not the q/k norms' (a kernel that mixed them up would show)
@@ -79,6 +80,33 @@ def check_rmsnorm(fn, gen, shape, dtype, device, residual: bool, context: str, i
         assert h is x, f"{context}: without a residual h must be x itself"
     y2, _ = fn(x, w, EPS, res)  # fresh outputs, no out=
     assert_close(y2, want_y, f"{context} fresh y")
+
+
+def check_rmsnorm_rows(fn, gen, shape, dtype, device, residual: bool, context: str) -> None:
+    """out= as int8 rows (a w8a8 draft's norms): the kernel's own 16-bit y, quantized per row by the reference
+    quantization, bit for bit; h as without it. Row 0 is zero (scale 1, all-zero integers)."""
+    N = shape[-1]
+    x = rand(gen, *shape, dtype=dtype, device=device, scale=2.0)
+    w = rand(gen, N, dtype=dtype, device=device)
+    res = rand(gen, *shape, dtype=dtype, device=device) if residual else None
+    x.view(-1, N)[0] = 0
+    if residual:
+        res.view(-1, N)[0] = 0
+    y, h = fn(x, w, EPS, res)
+    out = Int8Rows(torch.full(shape, 99, dtype=torch.int8, device=device),
+                   torch.full(shape[:-1], float("nan"), device=device), dtype)
+    got, h2 = fn(x, w, EPS, res, out=out)
+    assert got is out, f"{context}: int8 rows not written into out="
+    want = quantize_rows_int8(y)
+    if device == "cpu":  # the interpreter runs both variants' arithmetic alike: bit for bit
+        assert torch.equal(out.q, want.q), f"{context}: {(out.q != want.q).sum().item()} integers differ"
+        assert torch.equal(out.scale, want.scale), f"{context}: row scales differ"
+    else:  # compiled apart, the two variants' y may differ by an ulp (contraction, rsqrt): a step at most, rarely
+        off = (out.q.int() - want.q.int()).abs()
+        assert off.max() <= 1 and off.float().mean() < 0.01, f"{context}: {int((off > 0).sum())} integers differ"
+        torch.testing.assert_close(out.scale, want.scale, rtol=2 ** -7, atol=0, msg=f"{context}: row scales")
+    assert bool((out.scale.view(-1)[0] == 1) & (out.q.view(-1, N)[0] == 0).all()), f"{context}: the zero row"
+    assert torch.equal(h2, h), f"{context}: h"
 
 
 def qk_case(gen, B, T, H, KVH, D, R, norms, dtype, device="cpu", cap=64, start=None, layers=2, pad=8,
@@ -189,6 +217,10 @@ def _interp_rmsnorm() -> str:
         w = rand(gen, 100, dtype=dtype)
         assert_close(rmsnorm_triton(x, w, EPS)[0], rmsnorm_reference(x, w, EPS)[0], f"rmsnorm {dtype} strided rows")
         cases += 2
+        for shape in ((3, 100), (2, 5, 576)):
+            for residual in (False, True):
+                check_rmsnorm_rows(rmsnorm_triton, gen, shape, dtype, "cpu", residual, f"int8 rows {dtype} {shape}")
+                cases += 1
     return f"{cases} rmsnorm cases"
 
 
@@ -435,6 +467,7 @@ def test_gpu_rmsnorm(N):
                 check_rmsnorm(rmsnorm_triton, gen, shape, BF16, "cuda", residual, f"rmsnorm {shape} res={residual}")
         check_rmsnorm(rmsnorm_triton, gen, (T, N), BF16, "cuda", True, f"rmsnorm T={T} in place", inplace=True)
         check_rmsnorm(rmsnorm_triton, gen, (T, N), torch.float32, "cuda", True, f"rmsnorm fp32 T={T}")
+        check_rmsnorm_rows(rmsnorm_triton, gen, (T, N), BF16, "cuda", True, f"int8 rows T={T}")
     x, w = rand(gen, 16, N, dtype=BF16, device="cuda"), rand(gen, N, dtype=BF16, device="cuda")
     assert_close(rmsnorm(x, w, EPS)[0], rmsnorm_reference(x, w, EPS)[0], "dispatcher")
 

@@ -16,8 +16,8 @@ import torch
 
 from correctness.kernel_harness import (assert_close_ulps, assert_interpreted_ok, programs_in_reverse,
                                         run_checks_main)
-from kernels.int8_linear import (Int8Weight, int8_config, int8_linear, int8_linear_reference, int8_linear_triton,
-                                 quantize_int8)
+from kernels.int8_linear import (Int8Rows, Int8Weight, int8_config, int8_linear, int8_linear_reference,
+                                 int8_linear_triton, quantize_int8, quantize_rows_int8)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = (torch.bfloat16, torch.float16)
@@ -44,6 +44,21 @@ def check(kernel, gen, M, N, K, dtype, device="cpu", bias=False, strided=False, 
     got = kernel(x, w, b, out_dtype, out=out, config=config)
     assert got.data_ptr() == out.data_ptr()
     assert_close(got, want, f"M={M} N={N} K={K} {dtype} bias={bias} strided={strided} out={out_dtype} {config}")
+
+
+def check_rows(kernel, gen, M, N, K, dtype, device="cpu", bias=False, out_dtype=None, config=None):
+    """x as int8 rows (a w8a8 draft's): the integer sums are exact, so without a bias the kernel equals the reference
+    bit for bit (with one, the last product and the add may fuse)."""
+    x, w, b = case(gen, M, N, K, dtype, device, bias)
+    xq = quantize_rows_int8(x)
+    want = int8_linear_reference(xq, w, b, out_dtype)
+    out = torch.full((M, N), float("nan"), dtype=out_dtype or dtype, device=device)
+    got = kernel(xq, w, b, out_dtype, out=out, config=config)
+    context = f"int8 rows M={M} N={N} K={K} {dtype} bias={bias} out={out_dtype} {config}"
+    assert got.data_ptr() == out.data_ptr()
+    assert_close(got, want, context)
+    if not bias:
+        assert torch.equal(got, want), f"{context}: {(got != want).sum().item()} elements differ"
 
 
 # ------------------------------------------------------------------------------------------ interpreter checks
@@ -78,7 +93,26 @@ def _interp_configs() -> str:
     return f"{len(configs)} configs"
 
 
-CHECKS = {"kernel": _interp_kernel, "reversed": _interp_reversed, "configs": _interp_configs}
+def _interp_rows() -> str:
+    """int8 rows of x: the shapes above, every tile int8_config picks for them, rows with a stride."""
+    gen = torch.Generator().manual_seed(5)
+    cases = 0
+    for M, N, K in ((1, 64, 64), (5, 100, 300), (16, 24, 40), (17, 130, 96), (70, 200, 72)):
+        check_rows(int8_linear_triton, gen, M, N, K, torch.bfloat16, bias=M % 2 == 1)
+        cases += 1
+    check_rows(int8_linear_triton, gen, 15, 150, 64, torch.bfloat16, out_dtype=torch.float32)
+    configs = {int8_config(M, N, K, a8=True) for M in (1, 20, 40, 65) for N, K in ((64, 64), (4096, 4096),
+                                                                                  (8192, 4096))}
+    for config in sorted(configs):
+        check_rows(int8_linear_triton, gen, 33, 150, 100, torch.float16, config=config)
+    x, w, _ = case(gen, 6, 40, 64, torch.bfloat16)
+    rows = quantize_rows_int8(torch.cat((x, x), dim=1))  # q rows 128 apart: take the first half of each row
+    half = Int8Rows(rows.q[:, :64], rows.scale, rows.dtype)
+    assert torch.equal(int8_linear_triton(half, w), int8_linear_reference(half, w)), "int8 rows with a stride"
+    return f"{cases + len(configs) + 2} int8-row cases"
+
+
+CHECKS = {"kernel": _interp_kernel, "reversed": _interp_reversed, "configs": _interp_configs, "rows": _interp_rows}
 
 
 # ---------------------------------------------------------------------------------------------------- CPU tests
@@ -153,6 +187,17 @@ def test_gpu_draft_shapes(N, K):
     gen = torch.Generator().manual_seed(N + K)
     for M in (1, 16, 32, 300):
         check(int8_linear_triton, gen, M, N, K, torch.bfloat16, device="cuda", bias=M == 16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("N,K", QWEN3_8B_DRAFT)
+def test_gpu_draft_shapes_int8_rows(N, K):
+    gen = torch.Generator().manual_seed(N + K + 1)
+    for M in (1, 16, 32, 300):
+        check_rows(int8_linear_triton, gen, M, N, K, torch.bfloat16, device="cuda", bias=M == 16)
+    check_rows(int8_linear_triton, gen, 15, 151936 if N == 4096 and K == 4096 else N, K, torch.bfloat16,
+               device="cuda", out_dtype=torch.float32)
 
 
 @pytest.mark.gpu

@@ -50,16 +50,18 @@ def skinny_constexprs(N: int, K: int) -> dict:
 
 QK_STORE = dict(qkv_ptr=BF16, qn_ptr=BF16, kn_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, slots_ptr=I64, q_ptr=BF16,
                 kc_ptr=BF16, vc_ptr=BF16, h_ptr=BF16, eps="fp32", norm_eps="fp32")
-INT8 = dict(x_ptr=BF16, q_ptr=ptr("i8"), s_ptr=F32, b_ptr=BF16, y_ptr=BF16)
-ALIGNED_INT8 = ("x_ptr", "q_ptr", "s_ptr", "y_ptr", "N", "K", "s_xm", "s_qn", "s_ym")
+INT8 = dict(x_ptr=BF16, xs_ptr=F32, q_ptr=ptr("i8"), s_ptr=F32, b_ptr=BF16, y_ptr=BF16)
+ALIGNED_INT8 = ("x_ptr", "xs_ptr", "q_ptr", "s_ptr", "y_ptr", "N", "K", "s_xm", "s_qn", "s_ym")
 
 
-def int8_case(what: str, M: int, N: int, K: int, out=BF16) -> tuple:
-    """The int8 draft GEMM with the tiles int8_config picks for M rows against an [N, K] weight."""
-    block_m, block_n, block_k, warps, stages = int8_linear.int8_config(M, N, K)
-    return (f"int8 linear, {what}", int8_linear._int8_linear_kernel, dict(INT8, y_ptr=out),
-            dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, F32_DOT=False,
-                 ROUND=out != F32, SOFT_RNE=False, PDL=True),
+def int8_case(what: str, M: int, N: int, K: int, out=BF16, a8: bool = False) -> tuple:
+    """The int8 draft GEMM with the tiles int8_config picks for M rows (int8 rows where a8) against an [N, K]
+    weight."""
+    block_m, block_n, block_k, warps, stages = int8_linear.int8_config(M, N, K, a8)
+    return (f"int8 linear{', int8 rows' if a8 else ''}, {what}", int8_linear._int8_linear_kernel,
+            dict(INT8, y_ptr=out, x_ptr=ptr("i8") if a8 else BF16),
+            dict(A8=a8, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
+                 F32_DOT=False, ROUND=out != F32, SOFT_RNE=False, PDL=True),
             dict(num_warps=warps, divisible=ALIGNED_INT8))
 
 
@@ -77,8 +79,11 @@ CASES = [
      dict(G=4, G_P2=4, TOK=4, BLOCK_M=16, BLOCK_N=64, T_P2=16, SPLIT=512, SPLIT_BLOCKS_P2=8, D=128, D_P2=128, FP32_DOT=False,
           ROUND_P=True, WRITE_OUT=True, PDL=True, PREFETCH=False), dict(num_warps=2, num_stages=2, enable_fp_fusion=False)),
     ("rmsnorm with residual", fused._rmsnorm_kernel, dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, y_ptr=BF16,
-                                                          h_ptr=BF16, eps="fp32"),
-     dict(HAS_RES=True, BLOCK=4096, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
+                                                          h_ptr=BF16, ys_ptr=BF16, eps="fp32"),
+     dict(HAS_RES=True, QUANT=False, BLOCK=4096, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
+    ("rmsnorm with residual into int8 rows (a w8a8 draft's)", fused._rmsnorm_kernel,
+     dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, y_ptr=ptr("i8"), h_ptr=BF16, ys_ptr=F32, eps="fp32"),
+     dict(HAS_RES=True, QUANT=True, BLOCK=4096, SOFT_RNE=False, PDL=True), dict(num_warps=8)),
     ("silu_mul", fused._silu_mul_kernel, dict(gu_ptr=BF16, out_ptr=BF16, h_ptr=BF16, norm_eps="fp32"),
      dict(BLOCK=1024, HAS_SCALE=False, BLOCK_H=1, SOFT_RNE=False, PDL=True), dict(num_warps=4)),
     ("silu_mul after a folded norm (8B)", fused._silu_mul_kernel,
@@ -151,6 +156,10 @@ CASES = [
     int8_case("the 8B's LM head into float32 (15 rows)", 15, 151936, 4096, out=F32),
     int8_case("an 8B draft's fc over 64 context rows", 64, 4096, 20480),
     int8_case("a prompt's context rows through fc (300 rows)", 300, 4096, 20480),
+    int8_case("an 8B draft's qkv over context and block (32 rows)", 32, 6144, 4096, a8=True),
+    int8_case("an 8B draft's gate/up (16 rows)", 16, 24576, 4096, a8=True),
+    int8_case("an 8B draft's o (16 rows)", 16, 4096, 4096, a8=True),
+    int8_case("the 8B's LM head into float32 (15 rows)", 15, 151936, 4096, out=F32, a8=True),
 ]
 
 

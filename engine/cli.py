@@ -33,7 +33,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="default, random[:layers], a DFlash draft directory, or none")
     p.add_argument("--draft-weights", default="model", choices=DRAFT_WEIGHTS,
                    help="model: the draft's weights in the target's dtype; int8: every draft projection and a copy of "
-                        "the LM head in int8 (half the draft's bytes; the output stays the target's)")
+                        "the LM head in int8 (half the draft's bytes; the output stays the target's); w8a8: int8 "
+                        "weights, and the rows the qkv, gate/up and LM-head GEMMs read quantized to int8 too")
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block (default: the draft's)")
     p.add_argument("--topk-cap", type=int, default=workloads.TOPK_CAP, help="DDTree: candidates per depth")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
@@ -130,7 +131,7 @@ def _device(name: str) -> torch.device:
 def _draft_name(args, target) -> str:
     """The draft as a result names it: the default resolved, int8 weights marked."""
     name = args.draft if args.draft != "default" else f"default ({target.default_draft})"
-    return name + (" (int8 weights)" if args.draft_weights == "int8" else "")
+    return name + {"int8": " (int8 weights)", "w8a8": " (int8 weights and rows)"}.get(args.draft_weights, "")
 
 
 def _check_sizes(args) -> None:

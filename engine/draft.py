@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.int8_linear import Int8Weight, quantize_int8
+from kernels.int8_linear import Int8Rows, Int8Weight, quantize_int8
 from kernels.tree_attention import visible_rows
 
 from .cache import ModelCache
@@ -123,7 +123,9 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-DRAFT_WEIGHTS = ("model", "int8")  # the draft's weights as loaded (the target's dtype), or int8 (kernels.int8_linear)
+# the draft's weights as loaded (the target's dtype); int8 (kernels.int8_linear); w8a8: int8 weights, and the rows the
+# norms hand to the qkv, gate/up and LM-head GEMMs quantized to int8 in the norms' kernels (integer products)
+DRAFT_WEIGHTS = ("model", "int8", "w8a8")
 
 
 class DFlashDrafter(Drafter):
@@ -132,7 +134,9 @@ class DFlashDrafter(Drafter):
     def __init__(self, draft: DFlashDraftModel, target: Transformer, block_size: int | None = None,
                  weights: str = "model"):
         """weights: "model" keeps the draft's weights in the target's dtype; "int8" stores every projection of the
-        draft and a copy of the target's LM head as int8 with a scale per output row (`_quantize_int8_weights`)."""
+        draft and a copy of the target's LM head as int8 with a scale per output row (`_quantize_int8_weights`);
+        "w8a8" also quantizes the normed rows that the qkv, gate/up and LM-head GEMMs read, a scale per row, in the
+        norms' kernels (kernels.fused.rmsnorm with an Int8Rows `out`), so those GEMMs multiply integers."""
         if weights not in DRAFT_WEIGHTS:
             raise EngineError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {weights!r}")
         self.draft = draft.eval().requires_grad_(False)
@@ -140,8 +144,9 @@ class DFlashDrafter(Drafter):
         self.target = target
         self.fc_weight: torch.Tensor | Int8Weight = draft.fc.weight
         self.int8_head: Int8Weight | None = None  # the LM head for the draft's logits (None: the target's own)
-        if weights == "int8":
+        if weights in ("int8", "w8a8"):
             self._quantize_int8_weights()
+        self.int8_rows = weights == "w8a8"
         dcfg = draft.dcfg
         self.block_size = dcfg.block_size if block_size is None else block_size
         self.feature_layers = tuple(dcfg.target_layer_ids)
@@ -204,7 +209,8 @@ class DFlashDrafter(Drafter):
         cache = self.cache if inp.length.dim() == 0 or B == self.cache.start.shape[0] else self.cache.rows(0, B)
         # Every layer's qkv GEMM reads the context rows, then the block's normed rows: one buffer, the context
         # written once, each layer's input norm writing the block's part.
-        rows_in = fc_out.new_empty(B, n + block, hidden)
+        rows_in = Int8Rows.empty((B, n + block, hidden), fc_out.dtype, fc_out.device) if self.int8_rows \
+            else fc_out.new_empty(B, n + block, hidden)
         draft.hidden_norm(fc_out, out=rows_in[:, :n])
         # Slot = absolute position: context row j at start + j, block row i at start + n_features + i, where the
         # real context ends. A context padding row (j >= n_features) goes past the block, to start + j + block, in
@@ -227,12 +233,18 @@ class DFlashDrafter(Drafter):
                 o = attn.attend(q, layer_cache, block_start, self.block_visible, self.block_visible_rows)
             else:
                 o = _windowed_attention(q, layer_cache, pos[..., n:], window)
-            h, x = layer.post_attention_layernorm(attn.out(o), x)
+            h, x = layer.post_attention_layernorm(attn.out(o), x, out=self._rows_out(x))
             pending = layer.mlp(h)
         cache.start.add_(inp.n_features)  # keep the context rows, drop the block's
         end = block if inp.depth is None else 1 + inp.depth  # the LM head only over the positions the round reads
-        logits = self.target.logits(draft.norm(pending[:, 1:end], x[:, 1:end])[0], self.int8_head)
+        last = pending[:, 1:end]
+        logits = self.target.logits(draft.norm(last, x[:, 1:end], out=self._rows_out(last))[0], self.int8_head)
         return logits if inp.length.dim() else logits[0]
+
+
+    def _rows_out(self, like: torch.Tensor) -> Int8Rows | None:
+        """An Int8Rows buffer for a norm's output rows (w8a8), or None (the norm allocates its 16-bit output)."""
+        return Int8Rows.empty(like.shape, like.dtype, like.device) if self.int8_rows else None
 
 
 def _row_layout(n: int, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:

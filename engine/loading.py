@@ -423,7 +423,7 @@ def load_drafter(spec: str | None, target: Target, block_size: int | None = None
                  shard: bool | None = None, weights: str = "model") -> Drafter | None:
     """spec: `default`, `random[:layers]`, a DFlash draft directory, or None/`none`. Under tensor parallelism the
     draft is replicated, or sharded like the target where `shard` (None: ENGINE_SHARD_DRAFT) says so. weights:
-    "model" (the target's dtype) or "int8" (engine.draft.DFlashDrafter)."""
+    "model" (the target's dtype), "int8" or "w8a8" (engine.draft.DFlashDrafter)."""
     if spec in (None, "", "none"):
         return None
     if spec == "default":

@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels.fused import qk_norm_rope_store, rmsnorm, sigmoid_mul, silu_mul
 from kernels.gated_delta import TreeSchedule, chain_schedule
-from kernels.int8_linear import Int8Weight, int8_linear
+from kernels.int8_linear import Int8Rows, Int8Weight, int8_linear
 from kernels.skinny_linear import (MAX_ROWS as SKINNY_MAX_ROWS, rope_fusable, skinny_linear, skinny_linear_applies,
                                    skinny_qkv_rope)
 from kernels.tree_attention import tree_attention, visible_rows
@@ -506,7 +506,9 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor, int8_head: Int8Weight | None = None) -> torch.Tensor:
         """LM-head logits in float32. From bf16 weights they are accumulated and kept in float32: rounding them
         to bf16 (an ulp of 0.06 to 0.125 at typical magnitudes) would turn real margins into ties. int8_head: an
-        int8 copy of the LM head (a draft's, engine.draft) used instead."""
+        int8 copy of the LM head (a draft's, engine.draft) used instead, also on int8 rows (Int8Rows)."""
+        if isinstance(hidden, Int8Rows):
+            return int8_linear(hidden, int8_head, out_dtype=torch.float32)
         flat = hidden.reshape(-1, hidden.shape[-1])
         if int8_head is not None:
             out = int8_linear(flat, int8_head, out_dtype=torch.float32)

@@ -21,6 +21,8 @@ rmsnorm(x [..., N], weight [N], eps, residual=None) -> (y, h)
     h = x if residual is None else (x + residual) rounded to x.dtype;
     y = weight * (h.float() * rsqrt(mean(h.float()**2, -1) + eps)).to(x.dtype)   (the product rounded once).
     Without a residual, h is x itself (no copy). `h_out=residual` updates the residual stream in place.
+    out=Int8Rows (kernels.int8_linear; a w8a8 draft's norms): y is quantized per row in the kernel, as
+    quantize_rows_int8(y) computes it, and stored as int8 values and a float32 scale a row instead of y.
 
 qk_norm_rope_store(qkv [B, T, (H + 2 KVH) D], H, KVH, D, q_norm [D] | None, k_norm [D] | None, eps,
                    cos [B, T, R], sin [B, T, R], k_cache, v_cache [B, KVH, CAP, D], slots [T] int64) -> q [B, H, T, D]
@@ -211,30 +213,43 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, N, eps,
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, ys_ptr, N, eps,
                         s_x, s_res, s_y, s_h,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr, PDL: tl.constexpr):
+                        HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr,
+                        PDL: tl.constexpr):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
-        dt: tl.constexpr = y_ptr.dtype.element_ty
+        dt: tl.constexpr = x_ptr.dtype.element_ty
         h = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
             r = tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0).to(tl.float32)
             h = _round(h + r, dt, SOFT_RNE)
             tl.store(h_ptr + row * s_h + offs, h.to(dt), mask=mask)
-        _normalize_store(h, w_ptr, y_ptr + row * s_y, offs, mask, N, eps, SOFT_RNE)
+        if QUANT:  # y as int8 rows (kernels.int8_linear.quantize_rows_int8 of the rounded y), not y
+            y = _normalized(h, w_ptr, offs, mask, N, eps, dt, SOFT_RNE)
+            amax = tl.max(tl.abs(y), axis=0)
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
+            q = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(y, scale) + 0.5), -127.0), 127.0)
+            tl.store(y_ptr + row * s_y + offs, q.to(tl.int8), mask=mask)
+            tl.store(ys_ptr + row, scale)
+        else:
+            _normalize_store(h, w_ptr, y_ptr + row * s_y, offs, mask, N, eps, SOFT_RNE)
+
+    @triton.jit
+    def _normalized(h, w_ptr, offs, mask, N, eps, dt: tl.constexpr, SOFT_RNE: tl.constexpr):
+        """y = w * (h * rsqrt(mean(h^2) + eps)), both products rounded to dt, as float32 (h: a float32 row of dt
+        values, zero past N)."""
+        inv = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return _round(w * _round(h * inv, dt, SOFT_RNE), dt, SOFT_RNE)
 
     @triton.jit
     def _normalize_store(h, w_ptr, y_row, offs, mask, N, eps, SOFT_RNE: tl.constexpr):
-        """y = w * (h * rsqrt(mean(h^2) + eps)), both products rounded, stored at y_row (h: a float32 row of
-        dtype values, zero past N). Shared by the kernels that end in an RMSNorm (kernels.all_reduce too)."""
+        """_normalized, stored at y_row. Shared by the kernels that end in an RMSNorm (kernels.all_reduce too)."""
         dt: tl.constexpr = y_row.dtype.element_ty
-        inv = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = _round(w * _round(h * inv, dt, SOFT_RNE), dt, SOFT_RNE)
-        tl.store(y_row + offs, y.to(dt), mask=mask)
+        tl.store(y_row + offs, _normalized(h, w_ptr, offs, mask, N, eps, dt, SOFT_RNE).to(dt), mask=mask)
 
     @triton.jit
     def _inv_rms(h_row, N, eps, BLOCK_H: tl.constexpr):
@@ -387,10 +402,10 @@ def _out_rows(out: torch.Tensor, shape, dtype, device, name: str) -> torch.Tenso
 
 
 def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, h_out: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   out=None, h_out: torch.Tensor | None = None) -> tuple:
     """The Triton kernel. Returns (y, h); `out` receives y, `h_out` receives h = x + residual (only with a residual;
-    `h_out=residual` updates the residual in place). Without a residual h is x itself."""
+    `h_out=residual` updates the residual in place). Without a residual h is x itself. `out` may be an Int8Rows
+    (kernels.int8_linear) of x's shape: it then receives quantize_rows_int8(y), and y itself is not stored."""
     if triton is None:
         raise RuntimeError("rmsnorm_triton needs triton")
     N = x.shape[-1]
@@ -400,9 +415,14 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
         raise ValueError(f"weight must be [{N}], got {tuple(weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual must match x {tuple(x.shape)} {x.dtype}: {tuple(residual.shape)} {residual.dtype}")
+    quant = _int8_rows_out(out, x)
+    if quant and not out.scale.is_contiguous():
+        raise ValueError("out.scale (int8 rows) must be contiguous")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y2 = _out_rows(out, x.shape, x.dtype, x.device, "out")
+    y2 = _out_rows(out.q, x.shape, torch.int8, x.device, "out.q") if quant else \
+        _out_rows(out, x.shape, x.dtype, x.device, "out")
+    ys = out.scale if quant else y2  # y2: a dummy pointer
     if residual is None:
         if h_out is not None:
             raise ValueError("h_out needs a residual (without one, h is x itself)")
@@ -418,11 +438,25 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     block = next_pow2(N)
     num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
     pdl = pdl_launch(x)
-    _rmsnorm_kernel[(rows,)](x2, r2, weight, y2, h2, N, float(eps),
+    _rmsnorm_kernel[(rows,)](x2, r2, weight, y2, h2, ys, N, float(eps),
                              x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
-                             HAS_RES=residual is not None, BLOCK=block, SOFT_RNE=_soft_rne(x), PDL=pdl,
+                             HAS_RES=residual is not None, QUANT=quant, BLOCK=block, SOFT_RNE=_soft_rne(x), PDL=pdl,
                              num_warps=num_warps, **pdl_options(pdl))
     return out, h
+
+
+def _int8_rows_out(out, x: torch.Tensor) -> bool:
+    """Whether `out` is an Int8Rows for x's rows (checked: int8 values of x's shape, a float32 scale a row)."""
+    from kernels.int8_linear import Int8Rows  # that module imports this one
+
+    if not isinstance(out, Int8Rows):
+        return False
+    if tuple(out.q.shape) != tuple(x.shape) or tuple(out.scale.shape) != tuple(x.shape[:-1]) \
+            or out.q.dtype != torch.int8 or out.scale.dtype != torch.float32 or out.dtype != x.dtype:
+        raise ValueError(f"out as int8 rows must be q {tuple(x.shape)} int8 and a float32 scale "
+                         f"{tuple(x.shape[:-1])} for {x.dtype}, got {tuple(out.q.shape)} and "
+                         f"{tuple(out.scale.shape)} {out.scale.dtype} for {out.dtype}")
+    return True
 
 
 def qk_norm_rope_store_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -539,15 +573,26 @@ def sigmoid_mul_triton(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | 
 # ---------------------------------------------------------------------------------------------------- dispatchers
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            out=None) -> tuple:
     """(y, h): the Triton kernel for CUDA tensors, else the reference (see the module docstring). `out`, if given,
-    receives y (the kernel writes it there when it is contiguous, else y is copied into it)."""
+    receives y (the kernel writes it there when it is contiguous, else y is copied into it); an Int8Rows `out`
+    receives y quantized per row (rmsnorm_triton)."""
+    quant = _int8_rows_out(out, x)
     if _use_triton(x, weight) and weight.dtype == x.dtype:
-        if out is None or out.is_contiguous():
+        if out is None or (out.q.is_contiguous() and out.scale.is_contiguous() if quant else out.is_contiguous()):
             return rmsnorm_triton(x, weight, eps, residual, out=out)
-        y, h = rmsnorm_triton(x, weight, eps, residual)
+        y, h = rmsnorm_triton(x, weight, eps, residual, out=type(out).empty(x.shape, x.dtype, x.device)
+                              if quant else None)
     else:
         y, h = rmsnorm_reference(x, weight, eps, residual)
+        if quant:
+            from kernels.int8_linear import quantize_rows_int8  # that module imports this one
+
+            y = quantize_rows_int8(y)
+    if quant:
+        out.q.copy_(y.q)
+        out.scale.copy_(y.scale)
+        return out, h
     return (y, h) if out is None else (out.copy_(y), h)
 
 
