@@ -241,7 +241,6 @@ class DFlashDrafter(Drafter):
         logits = self.target.logits(draft.norm(last, x[:, 1:end], out=self._rows_out(last))[0], self.int8_head)
         return logits if inp.length.dim() else logits[0]
 
-
     def _rows_out(self, like: torch.Tensor) -> Int8Rows | None:
         """An Int8Rows buffer for a norm's output rows (w8a8), or None (the norm allocates its 16-bit output)."""
         return Int8Rows.empty(like.shape, like.dtype, like.device) if self.int8_rows else None
