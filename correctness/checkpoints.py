@@ -117,3 +117,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos) -> tuple[list[
     tokens = out.sequences[0, len(prompt):].tolist()
     margins = [float(t[0] - t[1]) for t in (logits[0].float().topk(2).values for logits in out.logits)]
     return tokens, margins
+
+
+def random_draft_context(target, drafters, rows: int, prompt_len: int, seed: int = 4):
+    """(features [1, rows, F], tokens [1, rows + 1]): random target features for the drafters' feature layers and
+    random token ids, the drafters started for a prompt of prompt_len tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    F = len(drafters[0].feature_layers) * target.model.cfg.hidden_size
+    features = torch.randn(1, rows, F, generator=gen)
+    tokens = torch.randint(0, target.model.cfg.vocab_size, (1, rows + 1), generator=gen)
+    for d in drafters:
+        d.start(prompt_len=prompt_len, capacity=64)
+    return features, tokens

@@ -11,6 +11,8 @@ import torch
 import engine
 from engine.draft import DraftInput
 
+from .checkpoints import random_draft_context
+
 
 def rms(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -125,12 +127,7 @@ def dequantized(w):
 
 def twelve_token_input(target, *drafters):
     """A DraftInput of 12 context rows (random features) and 13 tokens, the drafters started for it."""
-    gen = torch.Generator().manual_seed(4)
-    F = len(drafters[0].feature_layers) * target.model.cfg.hidden_size
-    features = torch.randn(1, 12, F, generator=gen)
-    tokens = torch.randint(0, target.model.cfg.vocab_size, (1, 13), generator=gen)
-    for d in drafters:
-        d.start(prompt_len=12, capacity=64)
+    features, tokens = random_draft_context(target, drafters, 12, prompt_len=12)
     return DraftInput(tokens, torch.tensor(12), features, torch.tensor(12)), features, tokens
 
 

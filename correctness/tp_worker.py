@@ -22,6 +22,8 @@ from engine.exactness import compare_tokens, tolerance_for
 from engine.parallel import exit_rank, init_tensor_parallel, shard_target
 from engine.results import write_json
 
+from .checkpoints import random_draft_context
+
 NEW_TOKENS = 40
 CASES = (("dflash", 0, "random:1"), ("dflash", 0, "oracle"), ("ddtree", 4, "random:1"), ("ddtree", 15, "oracle"),
          ("ddtree", 6, "oracle"), ("dflash", 0, "sharded random:2"), ("ddtree", 6, "sharded random:2"),
@@ -70,12 +72,7 @@ def sharded_draft_logits(target) -> dict:
     """A random draft's block logits replicated and sharded (engine.parallel.shard_draft), from the same weights and
     inputs: the same function, summed in another order."""
     drafters = [engine.load_drafter("random:2", target, block_size=8, seed=5, shard=s) for s in (False, True)]
-    gen = torch.Generator().manual_seed(4)
-    F = len(drafters[0].feature_layers) * target.model.cfg.hidden_size
-    features = torch.randn(1, 16, F, generator=gen)
-    tokens = torch.randint(0, target.model.cfg.vocab_size, (1, 17), generator=gen)
-    for d in drafters:
-        d.start(prompt_len=9, capacity=64)
+    features, tokens = random_draft_context(target, drafters, 16, prompt_len=9)
     diff = scale = 0.0
     seen = 0
     for new in (9, 3, 4):  # the prompt's features, then two rounds' accepted tokens
