@@ -77,6 +77,54 @@ def test_incremental_draft_equals_full_recompute(tiny_checkpoints, layers, block
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("weights", ["model", "w8a8"])
+def test_a_prefilled_prompt_drafts_as_if_the_first_call_read_it(tiny_checkpoints, weights):
+    """Drafter.prefill (the draft's prefill, with the target's): the prompt's context stored, then a first call with
+    no context rows of its own (n_features 0, padding only) proposes what a first call reading the prompt's features
+    proposes, and so do the calls after it; also into one row of a batched drafter, beside a row in use."""
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    read, prefilled, batched = (engine.load_drafter("random:2", target, 6, seed=3, weights=weights) for _ in range(3))
+    features, tokens = random_draft_context(target, [read, prefilled], 20, prompt_len=9)
+    batched.start(prompt_len=9, capacity=64, sequences=2)
+    padding = torch.randn(1, 6, features.shape[-1], generator=torch.Generator().manual_seed(5))
+    assert prefilled.prefill(features[0, :9]) and batched.prefill(features[0, :9], row=1)
+    assert int(prefilled.cache.start) == 9 and batched.cache.start.tolist() == [0, 9]
+    seen = 9
+    for step, new in enumerate((0, 3, 5)):
+        first = step == 0
+        want = read.propose(DraftInput(tokens, torch.tensor(seen + new), features[:, :9] if first else
+                                       features[:, seen:seen + new], torch.tensor(9 if first else new)))
+        context = padding if first else torch.cat((features[:, seen:seen + new], padding[:, new:]), dim=1)
+        got = prefilled.propose(DraftInput(tokens, torch.tensor(seen + new), context, torch.tensor(new)))
+        rows = batched.propose(DraftInput(tokens.expand(2, -1), torch.tensor([seen + new] * 2),
+                                          context.expand(2, -1, -1), torch.tensor([1, new])))
+        seen += new
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rows[1], want, rtol=1e-4, atol=1e-4)
+    assert int(prefilled.cache.start) == seen and batched.cache.start.tolist() == [3, seen]
+
+
+def test_the_decoder_prefills_the_draft_where_the_drafter_can(tiny_checkpoints, monkeypatch):
+    """The decode loop hands the prompt's context to Drafter.prefill, and round 0 then drafts from the static
+    buffers (no context rows); a drafter without a prefill gets the prompt's features in round 0. Same tokens."""
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    prompt = [5, 9, 2, 7, 11, 3]
+    ar = engine.Decoder(target.model).generate(prompt, 12).tokens
+    for can_prefill in (True, False):
+        drafter = engine.load_drafter("random:2", target, 4, seed=3)
+        if not can_prefill:
+            monkeypatch.setattr(drafter, "prefill", lambda features, row=None: False)
+        first_calls = []
+        propose = drafter.propose
+        monkeypatch.setattr(drafter, "propose", lambda inp: first_calls.append(
+            (inp.features.shape[1], int(inp.n_features))) or propose(inp))
+        out = engine.Decoder(target.model, drafter, engine.DecodeSettings("ddtree", 4)).generate(prompt, 12).tokens
+        assert out == ar
+        assert first_calls[0] == ((4, 0) if can_prefill else (len(prompt), len(prompt)))
+
+
 def test_a_draft_asked_for_fewer_positions_returns_those(tiny_checkpoints):
     """DraftInput.depth (a DDTree budget below the block): the first `depth` positions' logits, as the whole block
     gives them, and the context it keeps is the same for the next call."""

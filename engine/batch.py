@@ -8,8 +8,9 @@ commit, then one host read of every row's accepted count and tokens.
 Continuous batching: the first prompts are prefilled together (one forward pass over prompts padded at their
 ends, where that at most doubles the work; a hybrid's one at a time); a request that finishes (a stop token or its
 length) frees its row, which takes the next prompt from the queue, prefilled into that row (a row view of the
-cache); a row's next proposal reads its prompt's features. When the queue is empty, the last row in use moves into
-the freed row, so that a round runs over the first `in_use` rows only and finished requests stop costing work.
+cache); the draft takes its prompt's context then (`Drafter.prefill`; a drafter without one reads the prompt's
+features in the row's next proposal). When the queue is empty, the last row in use moves into the freed row, so that
+a round runs over the first `in_use` rows only and finished requests stop costing work.
 
 Hybrid targets: their Gated DeltaNet layers follow a chain shared by the rows (AR, DFlash) or each row's own
 tree (DDTree), and commit replays each row's own accepted path; per-row trees and replays run one sequence at a
@@ -17,7 +18,8 @@ time (a batched kernel over such schedules is future work).
 
 On a GPU each stage of a round over B rows is captured once per B as a CUDA graph over the batch's buffers (a
 graph per batch size: rows in use change as requests finish) and replayed; a round right after an admission runs
-eagerly (its draft reads a prompt's features), as does the first round at each B (the warm-up, captured after it).
+eagerly where the drafter has no prefill (its draft reads a prompt's features), as does the first round at each B
+(the warm-up, captured after it).
 """
 from __future__ import annotations
 
@@ -165,12 +167,19 @@ class BatchDecoder:
             batch.tokens[span, :T] = ids
             batch.tokens[span].scatter_(1, n[:, None], bonus[:, None])
             bonus = bonus.tolist()
+            for i, (_, prompt) in enumerate(items):
+                if self.drafter is not None:
+                    self.drafter.reset_sequence(first + i, prompt)
+                    # the draft's prefill; a drafter without one reads the prompt's features in its next proposal
+                    if feats is None:
+                        continue
+                    if self.drafter.prefill(feats[i, :lengths[i]], row=first + i):
+                        batch.n_features[first + i] = 0
+                    else:
+                        batch.prompt_features[first + i] = feats[i, :lengths[i]]
             sync(dev)
             now = time.perf_counter()
             for i, (index, prompt) in enumerate(items):
-                if self.drafter is not None:
-                    self.drafter.reset_sequence(first + i, prompt)
-                    batch.prompt_features[first + i] = feats[i, :lengths[i]]
                 live[first + i] = _Request(index, prompt, [bonus[i]], [], now - submitted, now)  # waiting included
 
         def admit_together(rows_free: int) -> None:

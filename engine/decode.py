@@ -360,12 +360,18 @@ class Decoder:
         out, accepted_lengths = [int(bonus)], []
         if record_margins:
             margins += _margins(logits)
+        # The draft's prefill: where the drafter takes the prompt's context now, every round drafts from the
+        # static buffers (round 0 with no context rows); else round 0 reads the prompt's features.
+        drafted_prompt = self.speculative and prompt_features is not None and self.drafter.prefill(prompt_features[0])
+        if drafted_prompt:
+            s.n_features.zero_()
+            self.draft_input = DraftInput(s.tokens, s.cache.start, s.features, s.n_features, self.draft_depth)
+        elif self.speculative:
+            self.draft_input = DraftInput(s.tokens, s.cache.start, prompt_features,
+                                          torch.tensor(n_prompt, device=dev), self.draft_depth)
         sync(dev)
         t1 = time.perf_counter()
 
-        if self.speculative:  # the first round reads the prompt's features; later rounds the static buffer
-            self.draft_input = DraftInput(s.tokens, s.cache.start, prompt_features,
-                                          torch.tensor(n_prompt, device=dev), self.draft_depth)
         # On a GPU the host reads a round's result (accepted count and tokens) through a pinned double buffer
         # while the next round already runs: once the graphs exist, one round is in flight ahead of the host, so
         # the GPU does not wait for Python between rounds. Every round commits at least one token, so no round is
@@ -376,8 +382,9 @@ class Decoder:
         plant = planted_slowdown(dev)  # ENGINE_PLANT_SLOWDOWN: the perf gate's calibrated test regression
         while not done:
             # The first call runs rounds 0 and 1 eagerly (round 1 warms up the static buffers), then captures the
-            # graphs. From then on every round replays them, round 0 too, but for its draft: that reads the prompt's
-            # features, a shape of its own, so it runs eagerly and its logits go into the buffer the graphs read.
+            # graphs. From then on every round replays them, round 0 too, but for its draft where the drafter took
+            # no prefill: that reads the prompt's features, a shape of its own, so it runs eagerly and its logits go
+            # into the buffer the graphs read.
             if use_graphs and launched == 2 and self.graphs is None:
                 self._capture_graphs()
             replay = use_graphs and self.graphs is not None
@@ -385,13 +392,13 @@ class Decoder:
                 self.round = replace(self.captured_round)
             for name, stage in self._stages().items():
                 with timer.stage(name):
-                    if replay and not (name == "draft" and launched == 0):
+                    if replay and not (name == "draft" and launched == 0 and not drafted_prompt):
                         self.graphs[name].replay()
                     else:
                         stage()
                         if replay:
                             self.round.draft_logits = self.captured_round.draft_logits.copy_(self.round.draft_logits)
-            if self.speculative and launched == 0:
+            if self.speculative and launched == 0 and not drafted_prompt:
                 self.draft_input = DraftInput(s.tokens, s.cache.start, s.features, s.n_features, self.draft_depth)
             slot = launched % 2
             s.host_out[slot].copy_(s.round_out, non_blocking=True)

@@ -66,10 +66,18 @@ class Drafter(ABC):
         """Return draft logits [block_size - 1, vocab] for the positions after the bonus token ([B, block_size - 1,
         vocab] for several sequences), or only the first inp.depth positions' where it is set."""
 
+    def prefill(self, features: torch.Tensor, row: int | None = None) -> bool:
+        """Take a prompt's context features [n, F] into the drafter's own state now, with the target's prefill (batch
+        row `row` in batched decoding), so that the first proposal has no context rows of its own (n_features 0) and
+        runs at a round's static shape, in its CUDA graph. False (this default): the drafter cannot; its first
+        proposal reads the prompt's features instead."""
+        return False
+
     # Batched decoding (engine/batch.py) starts a drafter with `start(prompt_len, capacity, sequences=B)`, proposes
     # for the first rows in use, and calls these between rounds:
     def reset_sequence(self, row: int, prompt: list[int]) -> None:
-        """Row `row` starts a new sequence with this prompt (its context arrives with its next proposal)."""
+        """Row `row` starts a new sequence with this prompt (its context arrives with `prefill` or its next
+        proposal)."""
         raise NotImplementedError(f"{type(self).__name__} does not decode several sequences at once")
 
     def move_sequence(self, src: int, dst: int) -> None:
@@ -201,24 +209,44 @@ class DFlashDrafter(Drafter):
     def move_sequence(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
 
+    def _context_rows(self, features: torch.Tensor, block: int) -> tuple[torch.Tensor | Int8Rows, torch.dtype]:
+        """hidden_norm(fc(features [B, n, F])) into the first n rows of a [B, n + block, hidden] buffer (propose's
+        qkv GEMMs read the context and the block from one buffer), and the rows' dtype."""
+        fc_out = linear(features, self.fc_weight, None, False)                # [B, n, hidden]
+        B, n, hidden = fc_out.shape
+        rows = Int8Rows.empty((B, n + block, hidden), fc_out.dtype, fc_out.device) if self.int8_rows \
+            else fc_out.new_empty(B, n + block, hidden)
+        self.draft.hidden_norm(fc_out, out=rows[:, :n])
+        return rows, fc_out.dtype
+
+    @torch.no_grad()
+    def prefill(self, features: torch.Tensor, row: int | None = None) -> bool:
+        """Each layer's keys and values of the prompt's context rows into the draft's cache, as propose stores them."""
+        cache = self.cache if row is None else self.cache.rows(row, 1)
+        rows, dtype = self._context_rows(features[None], 0)
+        pos = cache.start.unsqueeze(-1) + torch.arange(features.shape[0], device=features.device)  # [n] or [1, n]
+        cos, sin = self.rotary(pos.view(1, -1), dtype, bound=cache.capacity)
+        for layer, layer_cache in zip(self.draft.layers, cache.layers):
+            attn = layer.self_attn
+            attn.heads(linear(rows, attn.qkv_weight, attn.qkv_bias, attn.skinny), cos, sin, layer_cache, pos)
+        cache.start.add_(features.shape[0])
+        return True
+
     @torch.no_grad()
     def propose(self, inp: DraftInput) -> torch.Tensor:
         block, draft = self.block_size, self.draft
-        fc_out = linear(inp.features, self.fc_weight, None, False)            # [B, n, hidden]
-        B, n, hidden = fc_out.shape
-        cache = self.cache if inp.length.dim() == 0 or B == self.cache.start.shape[0] else self.cache.rows(0, B)
         # Every layer's qkv GEMM reads the context rows, then the block's normed rows: one buffer, the context
         # written once, each layer's input norm writing the block's part.
-        rows_in = Int8Rows.empty((B, n + block, hidden), fc_out.dtype, fc_out.device) if self.int8_rows \
-            else fc_out.new_empty(B, n + block, hidden)
-        draft.hidden_norm(fc_out, out=rows_in[:, :n])
+        rows_in, dtype = self._context_rows(inp.features, block)
+        B, n = inp.features.shape[:2]
+        cache = self.cache if inp.length.dim() == 0 or B == self.cache.start.shape[0] else self.cache.rows(0, B)
         # Slot = absolute position: context row j at start + j, block row i at start + n_features + i, where the
         # real context ends. A context padding row (j >= n_features) goes past the block, to start + j + block, in
         # the cache's slack: no one reads it, and one kernel stores every row of a layer without a race.
-        offsets, is_block = self.row_layout if n == block else _row_layout(n, block, fc_out.device)
+        offsets, is_block = self.row_layout if n == block else _row_layout(n, block, inp.features.device)
         start, n_features = cache.start.unsqueeze(-1), inp.n_features.unsqueeze(-1)   # [1] or [B, 1]
         pos = start + offsets + torch.where(is_block, n_features, (offsets >= n_features) * block)  # [(B,) n + block]
-        cos, sin = self.rotary(pos if pos.dim() == 2 else pos.expand(B, -1), fc_out.dtype, bound=cache.capacity)
+        cos, sin = self.rotary(pos if pos.dim() == 2 else pos.expand(B, -1), dtype, bound=cache.capacity)
         block_start = cache.start + inp.n_features
         bonus = inp.tokens.gather(1, inp.length.view(-1, 1).expand(B, 1))     # [B, 1]
         x = self.target.embed(torch.cat((bonus, self.mask_ids.expand(B, -1)), dim=1))

@@ -81,6 +81,9 @@ class OracleDrafter(Drafter):
         if self.cost is not None:
             self.cost.start(prompt_len, capacity, **({} if sequences is None else dict(sequences=sequences)))
 
+    def prefill(self, features: torch.Tensor, row: int | None = None) -> bool:
+        return self.cost is not None and self.cost.prefill(features, row)
+
     def add_reference(self, prompt: list[int], continuation: list[int], miss_rate: float | None = None) -> None:
         """Batched decoding: the continuation to propose, with its own miss rate if given, for a row that starts
         this prompt (reset_sequence)."""
