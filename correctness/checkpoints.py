@@ -78,6 +78,13 @@ HYBRID = {
                            temporal_patch_size=2, spatial_merge_size=2),
         image_token_id=200, video_token_id=201, vision_start_token_id=202, vision_end_token_id=203)),
 }
+# The multimodal model's LM head is tied by the top-level tie_word_embeddings, whatever text_config says: tied with
+# text_config silent, and untied (lm_head saved) with text_config saying tied.
+_MM = HYBRID["q35-multimodal"][2]
+HYBRID["q35-multimodal-tied"] = ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
+    _MM, tie_word_embeddings=True))
+HYBRID["q35-multimodal-untied"] = ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
+    _MM, text_config=dict(_MM["text_config"], tie_word_embeddings=True), tie_word_embeddings=False))
 
 # Hybrids for tensor parallelism (test_hybrid_tp.py): 4 key heads with 2 value heads each (whole at widths 2 and 4);
 # 2 KV heads, split at width 2 and each replicated over 2 ranks at width 4; a gated attention between linear layers.

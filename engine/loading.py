@@ -260,7 +260,10 @@ def _text_config(raw: dict, where: str) -> dict:
     text_type = text.get("model_type") or "qwen3_5_text"
     if "moe" in str(model_type) or "moe" in str(text_type) or "num_experts" in text:
         raise EngineError(f"{where}: mixture-of-experts models ({model_type}) are not supported")
-    return {**text, "model_type": text_type} if model_type == "qwen3_5" else text
+    if model_type != "qwen3_5":
+        return text
+    # transformers ties the multimodal model's LM head by the top-level flag (default False), not text_config's
+    return {**text, "model_type": text_type, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False))}
 
 
 def _check_layer_types(raw: dict, where: str) -> None:
