@@ -239,6 +239,36 @@ def test_broken_checkpoint_is_engine_error(dirs, tmp_path, name):
         load_target(str(d), device="cpu", dtype=torch.float32)
 
 
+def test_quantized_checkpoint_is_refused(dirs, tmp_path, capsys):
+    """An fp8 checkpoint (weights in float8 with a scale beside each, quantization_config in config.json) was loaded
+    with its weights cast as they are and their scales ignored: other tokens, no warning. Target and draft refuse it
+    now, in one line."""
+    from safetensors.torch import load_file
+
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    for name in ("target", "draft"):
+        d = tmp_path / name
+        shutil.copytree(dirs[name], d)
+        weights = {}
+        for key, t in load_file(d / "model.safetensors").items():
+            if key.endswith("proj.weight"):
+                scale = t.abs().max() / 448
+                weights[key], weights[key + "_scale_inv"] = (t / scale).to(torch.float8_e4m3fn), scale.reshape(1, 1)
+            else:
+                weights[key] = t
+        save_file(weights, d / "model.safetensors")
+        (d / "config.json").write_text(json.dumps({**_config_of(d), "quantization_config": fp8}))
+    with pytest.raises(EngineError) as e:
+        load_target(str(tmp_path / "target"), device="cpu", dtype=torch.float32)
+    assert_one_line(e, "quantized checkpoints are not supported (quantization_config, quant_method 'fp8')")
+    out_json = tmp_path / "run.json"
+    assert_cli_error(capsys, "--target", str(tmp_path / "target"), "--prompt-ids", "1,2,3", "--method", "ar",
+                     "--json", str(out_json), mentions="quantized checkpoints are not supported")
+    assert not out_json.exists()
+    assert_cli_error(capsys, "--target", str(dirs["target"]), "--prompt-ids", "1,2,3", "--method", "dflash",
+                     "--draft", str(tmp_path / "draft"), mentions=f"{tmp_path / 'draft'}: quantized checkpoints")
+
+
 @pytest.mark.parametrize("patch", [
     {"model_type": "mistral", "sliding_window": 16},
     {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16},

@@ -197,6 +197,11 @@ def _read_config(path: Path) -> dict:
         raise EngineError(f"{cfg_file}: malformed JSON ({e})") from None
     if not isinstance(raw, dict):
         raise EngineError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
+    quant = raw.get("quantization_config")
+    if quant is not None:  # _fill would copy fp8 or packed weights as they are and ignore their scales: wrong tokens
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise EngineError(f"{path}: quantized checkpoints are not supported (quantization_config, quant_method "
+                          f"{method!r}): use the unquantized weights")
     return raw
 
 
