@@ -24,12 +24,12 @@ PROMPT = [1, 2, 3]
 
 # ---------------------------------------------------------------------------------------------------- fixtures
 
-def write_target(path: Path, max_pos: int = MAX_POS) -> Path:
+def write_target(path: Path, max_pos: int = MAX_POS, vocab: int = VOCAB) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=vocab,
                       max_position_embeddings=max_pos)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -903,6 +903,18 @@ def test_bad_concurrency(value, capsys):
 def test_ddtree_auto_needs_concurrency(capsys):
     assert main(["bench", "--device", "cpu", "--methods", "ar,ddtree-auto"]) == 2
     assert "use it with --concurrency" in capsys.readouterr().err
+
+
+def test_synthetic_acceptance_on_a_tiny_vocabulary(tmp_path):
+    """`bench --acceptance synthetic` on a target of fewer tokens than the oracle ranks: one error line before the
+    work and no result file (was a ValueError traceback after the AR reference)."""
+    target = write_target(tmp_path / "vocab7", max_pos=160, vocab=7)
+    out = tmp_path / "bench.json"
+    proc = run_engine("bench", "--device", "cpu", "--target", str(target), "--draft", "random:1", "--methods",
+                      "ar,dflash", "--workloads", "fib", "--lengths", "short=4", "--acceptance", "synthetic",
+                      "--json", str(out))
+    assert_one_error_line(proc, "vocabulary of at least 10 tokens; the target has 7")
+    assert not out.exists() and "bench:" not in proc.stderr
 
 
 def test_results_name_a_dirty_checkout(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import random
 import torch
 
 from .draft import DraftInput, Drafter
+from .errors import EngineError
 
 RANKS = 5  # tokens ranked per position
 
@@ -26,8 +27,9 @@ class OracleDrafter(Drafter):
         is not ranked first; absent_rate: chance that such a miss leaves it out of the ranked tokens entirely.
         cost: a real drafter to run first in every round (its proposal is discarded; synthetic acceptance).
         max_length: room for references set later with `set_reference` (default: this one's length)."""
-        if vocab_size < 2 * RANKS:
-            raise ValueError(f"the oracle drafter needs a vocabulary of at least {2 * RANKS} tokens")
+        if vocab_size < 2 * RANKS:  # an EngineError: `bench --acceptance synthetic` reaches it with the user's target
+            raise EngineError(f"synthetic acceptance (the oracle drafter) needs a vocabulary of at least {2 * RANKS} "
+                              f"tokens; the target has {vocab_size}")
         self.vocab_size, self.block_size, self.cost = vocab_size, block_size, cost
         self.miss_rate, self.absent_rate, self.seed = miss_rate, absent_rate, seed
         self.feature_layers = cost.feature_layers if cost is not None else ()
