@@ -239,6 +239,24 @@ def test_broken_checkpoint_is_engine_error(dirs, tmp_path, name):
         load_target(str(d), device="cpu", dtype=torch.float32)
 
 
+@pytest.mark.parametrize("patch,mentions", [
+    ({"rope_theta": None}, "invalid RoPE parameters"),                                      # was a TypeError traceback
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic'"),  # was after the weights
+])
+def test_bad_rope_is_refused_before_the_weights(dirs, tmp_path, patch, mentions):
+    """RoPE parameters the engine cannot use: one error naming the checkpoint, before its weights are read (here
+    there are none, so a later check would report missing weights instead)."""
+    d = tmp_path / "rope"
+    shutil.copytree(dirs["target"], d)
+    (d / "model.safetensors").unlink()
+    config = {k: v for k, v in _config_of(d).items() if k != "rope_parameters"}
+    (d / "config.json").write_text(json.dumps({**config, **patch}))
+    with pytest.raises(EngineError) as e:
+        load_target(str(d), device="cpu", dtype=torch.float32)
+    assert_one_line(e, mentions)
+    assert str(d) in str(e.value)
+
+
 def test_quantized_checkpoint_is_refused(dirs, tmp_path, capsys):
     """An fp8 checkpoint (weights in float8 with a scale beside each, quantization_config in config.json) was loaded
     with its weights cast as they are and their scales ignored: other tokens, no warning. Target and draft refuse it

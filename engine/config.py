@@ -62,6 +62,14 @@ class ModelConfig:
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
         if heads % kv_heads:
             raise EngineError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        try:  # RoPE problems now, naming the checkpoint, before its weights load
+            rope_inv_freq(hf, head_dim)
+        except EngineError as e:
+            raise EngineError(f"{where}: {e}") from None
+        except (TypeError, ValueError, KeyError) as e:  # e.g. a rope_theta of null: transformers lets it through
+            raise EngineError(f"{where}: invalid RoPE parameters {rope_parameters(hf)} ({type(e).__name__}: {e})"
+                              ) from None
         eos = getattr(hf, "eos_token_id", None)
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         hybrid = model_type in HYBRID_MODEL_TYPES
@@ -81,7 +89,7 @@ class ModelConfig:
             num_layers=hf.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            head_dim=head_dim,
             intermediate_size=hf.intermediate_size,
             rms_norm_eps=hf.rms_norm_eps,
             max_position=getattr(hf, "max_position_embeddings", None) or 2048,
