@@ -39,6 +39,8 @@ def load(path: Path = FLOORS_PATH) -> dict[tuple, dict]:
         data = json.loads(path.read_text())
     except ValueError as e:
         raise FloorsError(f"{path}: malformed JSON ({e})") from None
+    except OSError as e:  # a directory, an unreadable file: one error, not a traceback
+        raise FloorsError(f"{path}: unreadable floors file ({e.strerror or e})") from None
     if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("floors"), list):
         raise FloorsError(f"{path}: expected {{\"version\": 1, \"floors\": [...]}}")
     floors = {}
@@ -55,15 +57,24 @@ def load(path: Path = FLOORS_PATH) -> dict[tuple, dict]:
                 raise FloorsError(f"{where}: {name} must be a positive finite number or null, got {value!r}")
         if not isinstance(entry.get("pinned", False), bool):
             raise FloorsError(f"{where}: pinned must be true or false, got {entry['pinned']!r}")
-        for name in ("tp", "concurrency"):
-            value = entry.get(name, 1)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise FloorsError(f"{where}: {name} must be a positive integer, got {value!r}")
-        key = floor_key(*(entry[f] for f in KEY_FIELDS), entry.get("concurrency", 1))
+        key = _key_of(entry, where)
         if key in floors:
             raise FloorsError(f"{where}: duplicate key {key}")
         floors[key] = entry
     return floors
+
+
+def _key_of(entry: dict, where: str) -> tuple:
+    """The floor key of a floors entry or a results record, its fields checked: `record` must not write a key that
+    `load` refuses (a tp or concurrency of 0), nor stop on one with a traceback (a list, a string width)."""
+    for name in ("device", "pair", "workload", "length", "method"):
+        if not isinstance(entry[name], str):
+            raise FloorsError(f"{where}: {name} must be a string, got {entry[name]!r}")
+    for name in ("tp", "concurrency"):
+        value = entry.get(name, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise FloorsError(f"{where}: {name} must be a positive integer, got {value!r}")
+    return floor_key(*(entry[f] for f in KEY_FIELDS), entry.get("concurrency", 1))
 
 
 def _positive(x) -> bool:
@@ -113,7 +124,7 @@ def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: fl
             missing = [f for f in (*KEY_FIELDS, "tau") if f not in r]
             if missing:
                 raise FloorsError(f"{where}: missing field {missing[0]!r}")
-            key = floor_key(*(r[f] for f in KEY_FIELDS), r.get("concurrency", 1))
+            key = _key_of(r, where)
             if floors.get(key, {}).get("pinned"):
                 continue  # a target, not a measurement
             timed = r["device"] != "cpu" and r.get("tok_s_median") is not None  # the held-out record has no tok/s

@@ -29,6 +29,7 @@ def write(tmp_path, obj, name="floors.json"):
     ({"version": 1, "floors": [{**ENTRY, "concurrency": "8"}]}, "concurrency must be a positive integer"),
     ({"version": 1, "floors": ["x"]}, "not an object"),
     ({"version": 1, "floors": [{**ENTRY, "pinned": "yes"}]}, "pinned must be true or false"),
+    ({"version": 1, "floors": [{**ENTRY, "workload": ["fib"]}]}, "workload must be a string"),
 ])
 def test_malformed_floors(tmp_path, content, mentions):
     with pytest.raises(FloorsError, match=mentions):
@@ -82,6 +83,26 @@ def test_record_cli_errors(tmp_path, capsys):
     assert main(["record", str(results(tmp_path, [dict(device="cpu", method="ar")])), "--margin", "1.5",
                  "--floors", str(tmp_path / "f.json")]) == 2
     assert not (tmp_path / "f.json").exists()
+
+
+def test_floors_path_that_is_a_directory(tmp_path):
+    """A floors path that cannot be read is one FloorsError (was an IsADirectoryError traceback)."""
+    with pytest.raises(FloorsError, match="unreadable floors file"):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize("field,value,mentions", [
+    ("tp", 0, "tp must be a positive integer"),                  # was written, then refused by every later load
+    ("concurrency", 0, "concurrency must be a positive integer"),
+    ("tp", "x", "tp must be a positive integer"),                 # was a ValueError traceback
+    ("workload", ["fib"], "workload must be a string"),           # was a TypeError traceback
+])
+def test_record_refuses_a_key_the_floors_file_cannot_hold(tmp_path, capsys, field, value, mentions):
+    floors_path = tmp_path / "f.json"
+    bad = results(tmp_path, [{"device": "cpu", "method": "ar", field: value}])
+    assert main(["record", str(bad), "--floors", str(floors_path)]) == 2
+    assert mentions in capsys.readouterr().err
+    assert not floors_path.exists()
 
 
 def test_recorded_floors_never_exceed_the_run_they_come_from(tmp_path):
