@@ -415,6 +415,13 @@ def test_negative_budget(target, dirs, capsys):
                      "--draft", str(dirs["draft"]), "--budget", "-1", mentions="budget")
 
 
+@pytest.mark.parametrize("device", ["mps", "meta"])
+def test_device_the_engine_has_no_path_for(dirs, capsys, device):
+    """Devices torch names but the engine cannot run on are refused before loading (were a traceback mid-load)."""
+    assert_cli_error(capsys, "--target", str(dirs["target"]), "--prompt-ids", "1,2,3", "--method", "ar",
+                     "--device", device, mentions=f"unsupported device '{device}'")
+
+
 def test_topk_cap_below_one(target, dirs, capsys):
     """topk_cap < 1 is rejected by the Decoder and the CLI."""
     drafter = load_drafter(str(dirs["draft"]), target)

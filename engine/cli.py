@@ -123,8 +123,13 @@ def _device(name: str) -> torch.device:
             device = torch.device(name)
         except RuntimeError:
             raise EngineError(f"unknown device {name!r}") from None
+        # torch also names devices the engine has no path for (mps, meta, xpu, ...): they would fail mid-load
+        if device.type not in ("cpu", "cuda"):
+            raise EngineError(f"unsupported device {name!r}: cpu, cuda or cuda:N")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise EngineError("--device cuda asked for, but this machine has no usable GPU")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise EngineError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
     return device
 
 
