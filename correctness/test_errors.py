@@ -422,6 +422,25 @@ def test_device_the_engine_has_no_path_for(dirs, capsys, device):
                      "--device", device, mentions=f"unsupported device '{device}'")
 
 
+def test_text_stdout_cannot_encode(dirs, monkeypatch, tmp_path):
+    """Text a stdout's encoding cannot hold is printed with escapes; the tokens and --json still come out (were a
+    UnicodeEncodeError traceback after the run)."""
+    import io
+
+    import engine.loading
+
+    monkeypatch.setattr(engine.loading.Target, "decode", lambda self, ids: "\u65e5\u672c \ufffd")
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    out_json = tmp_path / "g.json"
+    rc = main(["generate", "--device", "cpu", "--target", str(dirs["target"]), "--prompt-ids", "1,2,3", "--method",
+               "ar", "--max-new-tokens", "2", "--json", str(out_json)])
+    stdout.flush()
+    printed = stdout.buffer.getvalue().decode("ascii")
+    assert rc == 0 and out_json.exists()
+    assert printed.startswith("\\u65e5\\u672c \\ufffd\n") and "tokens:" in printed
+
+
 def test_topk_cap_below_one(target, dirs, capsys):
     """topk_cap < 1 is rejected by the Decoder and the CLI."""
     drafter = load_drafter(str(dirs["draft"]), target)

@@ -197,7 +197,10 @@ def cmd_generate(args, tp=None, tp_device=None) -> int:
         return 0  # every rank decoded the same tokens; rank 0 reports them
     text = target.decode(result.tokens)
     if text is not None:
-        print(text)
+        # a stdout that cannot encode the text (a Latin-1 locale, PYTHONIOENCODING=ascii) gets escapes: a traceback
+        # here would lose the finished run's tokens and its --json file
+        encoding = sys.stdout.encoding or "utf-8"
+        print(text.encode(encoding, "backslashreplace").decode(encoding))
     print("tokens:", ",".join(map(str, result.tokens)))
     stages = " ".join(f"{k} {v:.2f}" for k, v in result.stage_ms.items())
     print(f"{args.method}: {len(result.tokens)} tokens, {result.rounds} rounds, tau {result.tau:.2f}, "
