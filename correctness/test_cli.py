@@ -95,6 +95,20 @@ def test_bench_workloads_include_the_held_out_set():
     assert prompt_ids(Bare, "haiku") == prompt_ids(Bare, "haiku") != prompt_ids(Bare, "fib")
 
 
+def test_bench_measures_each_method_once(tmp_path, capsys, tiny_checkpoints):
+    """A method named twice (or its budget written with a leading zero) is measured and reported once."""
+    from engine.cli import main
+
+    path, _ = tiny_checkpoints["qwen3-gqa-untied-sharded"]
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--target", str(path), "--draft", "random:1", "--workloads", "fib", "--lengths", "short=4",
+                 "--methods", "dflash,ddtree-4,ddtree-04,dflash", "--device", "cpu", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert [r["method"] for r in result["summary"]] == ["ar", "dflash", "ddtree-4"]
+    assert [r["method"] for r in result["runs"]] == ["ar", "dflash", "ddtree-4"]
+
+
 @pytest.mark.slow
 def test_bench_concurrency_sweep_writes_table_and_results(tmp_path, capsys, tiny_checkpoints):
     """`bench --concurrency 1,3`: per concurrency and method one record (aggregate and per-request tok/s, TTFT,

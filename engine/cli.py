@@ -261,7 +261,8 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     if repeats < 1 or warmup < 0:
         raise EngineError("--repeats must be >= 1 and --warmup >= 0")
     main_rank = tp is None or tp.rank == 0
-    methods = [Method.parse(m, args.topk_cap).name for m in args.methods.split(",") if m]
+    # once each (as --workloads and --concurrency): a repeat would be measured again and reported twice
+    methods = list(dict.fromkeys(Method.parse(m, args.topk_cap).name for m in args.methods.split(",") if m))
     if "ar" not in methods:
         methods.insert(0, "ar")  # the reference for losslessness and speed-up
     chosen = parse_workloads(args.workloads)

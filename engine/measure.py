@@ -40,7 +40,8 @@ class Method:
         if kind == "ddtree":
             if not budget.isdigit():
                 raise EngineError(f"bad method {name!r}: write ddtree-<budget>, e.g. ddtree-15")
-            return cls(name, DecodeSettings("ddtree", int(budget), topk_cap))
+            # named by its budget, so ddtree-015 is ddtree-15 (one record, one floor key)
+            return cls(f"ddtree-{int(budget)}", DecodeSettings("ddtree", int(budget), topk_cap))
         if kind in ("ar", "dflash") and not budget:
             return cls(name, DecodeSettings(kind))
         raise EngineError(f"bad method {name!r} (ar, dflash or ddtree-<budget>)")
