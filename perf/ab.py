@@ -315,7 +315,8 @@ class BaselineGate:
         except (OSError, subprocess.CalledProcessError):
             raise pytest.UsageError(f"--baseline {self.rev}: not a commit of the repository at {ROOT}") from None
         self.device = "cuda" if visible_gpus() else "cpu"
-        self.rounds = config.getoption("ab_rounds") or ROUNDS[self.device]
+        rounds = config.getoption("ab_rounds")
+        self.rounds = rounds if rounds is not None else ROUNDS[self.device]  # 0 is refused below, not the default
         if self.rounds < min_rounds():
             raise pytest.UsageError(f"--ab-rounds {self.rounds}: at least {min_rounds()} rounds are needed for "
                                     f"{CONFIDENCE:.0%} confidence")

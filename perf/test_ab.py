@@ -112,6 +112,8 @@ def test_selection_and_usage_errors():
     assert "test_against_base" not in collect("-k", "hybrid-tiny").stdout
     bad = collect("--baseline", "no-such-revision")
     assert bad.returncode == 4 and "--baseline no-such-revision: not a commit" in bad.stderr
+    zero = collect("--baseline", "HEAD", "--ab-rounds", "0")  # was silently the default number of rounds
+    assert zero.returncode == 4 and "--ab-rounds 0: at least" in zero.stderr
 
 
 @pytest.fixture
