@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -146,7 +147,7 @@ class Harness:
             return
         path = self.config.getoption("perf_results")
         worker = os.environ.get("PYTEST_XDIST_WORKER")
-        if worker:
-            stem, dot, ext = path.rpartition(".")
-            path = f"{stem}.{worker}.{ext}" if dot else f"{path}.{worker}"
+        if worker:  # the worker goes into the file's name, never a folder's (runs.v2/perf: runs.v2/perf.gw0)
+            p = Path(path)
+            path = p.with_name(f"{p.stem}.{worker}{p.suffix}")
         write_json(path, dict(environment=environment(self.device), records=self.records))

@@ -77,3 +77,20 @@ def test_collection_groups_tests_by_target_then_pair(monkeypatch):
     pytest_collection_modifyitems(FakeConfig(), items)
     assert [i.name for i in items] == ["plain", "no-callspec", "acc-p1", "tput-p1", "acc-p3", "tput-p3", "acc-p2",
                                        "tput-p2"]
+
+
+@pytest.mark.parametrize("given,written", [
+    ("perf-results.json", "perf-results.gw1.json"),
+    ("runs.v2/perf", "runs.v2/perf.gw1"),            # was runs.gw1.v2/perf: a folder no one asked for
+    ("runs.v2/perf.json", "runs.v2/perf.gw1.json"),
+])
+def test_results_file_per_xdist_worker(tmp_path, monkeypatch, fake_harness, given, written):
+    """Under xdist each worker writes NAME.gwN.json beside the file asked for (docs/testing.md, "Results files")."""
+    h, _ = fake_harness
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setattr(harness_module, "environment", lambda device: {})
+    h.config.options["perf_results"] = given
+    h.records.append(dict(method="ar"))
+    h.write_results()
+    assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()] == [written]
