@@ -607,6 +607,16 @@ def test_train_draft_out_that_cannot_be_written(tmp_path):
                           "cannot write a training run")
 
 
+def test_train_draft_out_holding_a_run_is_refused_before_loading(tmp_path):
+    """Was refused only after the target loaded and began writing its prompts (a progress bar before the error)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint.pt").write_text("x")
+    proc = run_engine("train-draft", "--out", str(tmp_path / "run"), "--device", "cpu",
+                      "--target", str(tmp_path / "absent"))  # never loaded
+    assert_one_error_line(proc, "already holds a training run")
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+
+
 def test_failed_final_write_keeps_the_results(bench_target, tmp_path, monkeypatch, capsys):
     """A full disk at the end of a run: one error line that says where the results were kept, and they are there."""
     import engine.results

@@ -396,6 +396,9 @@ def cmd_train_draft(args) -> int:
     if not 0 <= settings.self_written <= 1:
         raise EngineError(f"--self-written is a share of the prompts, from 0 to 1; got {settings.self_written}")
     check_writable(Path(args.out) / "summary.json", "a training run")
+    if (Path(args.out) / "checkpoint.pt").exists() and not args.resume:  # before the target loads (minutes for a
+        # large one) and writes its prompts; train() refuses the same folder again
+        raise EngineError(f"{args.out} already holds a training run: pass --resume to continue it, or another --out")
     device = _device(args.device)
     # the target in the dtype the engine decodes in, for the answers and the held-out check; the draft trains in
     # float32 master weights with bf16 autocast on GPUs
