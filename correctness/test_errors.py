@@ -959,6 +959,11 @@ def test_ddtree_auto_needs_concurrency(capsys):
     assert "use it with --concurrency" in capsys.readouterr().err
 
 
+def test_hf_baseline_is_refused_with_a_concurrency_sweep(capsys):
+    assert main(["bench", "--device", "cpu", "--hf-baseline", "--concurrency", "1,2"]) == 2
+    assert "run it without --concurrency" in capsys.readouterr().err
+
+
 def test_synthetic_acceptance_on_a_tiny_vocabulary(tmp_path):
     """`bench --acceptance synthetic` on a target of fewer tokens than the oracle ranks: one error line before the
     work and no result file (was a ValueError traceback after the AR reference)."""

@@ -271,6 +271,8 @@ def cmd_bench(args, tp=None, tp_device=None) -> int:
     concurrency = _parse_concurrency(args.concurrency) if args.concurrency is not None else None
     if "ddtree-auto" in methods and not concurrency:
         raise EngineError("ddtree-auto picks its budget per concurrency: use it with --concurrency")
+    if args.hf_baseline and concurrency:  # the sweep has no transformers column: say so rather than drop the flag
+        raise EngineError("--hf-baseline times one request at a time: run it without --concurrency")
     if "ddtree-auto" in methods and tp is not None:
         raise EngineError("ddtree-auto under tensor parallelism is not supported yet (each rank would time its own "
                           "passes; run it at --tp 1)")
