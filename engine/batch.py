@@ -168,15 +168,15 @@ class BatchDecoder:
             batch.tokens[span].scatter_(1, n[:, None], bonus[:, None])
             bonus = bonus.tolist()
             for i, (_, prompt) in enumerate(items):
-                if self.drafter is not None:
-                    self.drafter.reset_sequence(first + i, prompt)
-                    # the draft's prefill; a drafter without one reads the prompt's features in its next proposal
-                    if feats is None:
-                        continue
-                    if self.drafter.prefill(feats[i, :lengths[i]], row=first + i):
-                        batch.n_features[first + i] = 0
-                    else:
-                        batch.prompt_features[first + i] = feats[i, :lengths[i]]
+                if self.drafter is None:
+                    continue
+                self.drafter.reset_sequence(first + i, prompt)
+                context = None if feats is None else feats[i, :lengths[i]]
+                # the draft's prefill; a drafter without one reads the prompt's features in its next proposal
+                if context is not None and self.drafter.prefill(context, row=first + i):
+                    batch.n_features[first + i] = 0
+                elif context is not None:
+                    batch.prompt_features[first + i] = context
             sync(dev)
             now = time.perf_counter()
             for i, (index, prompt) in enumerate(items):
