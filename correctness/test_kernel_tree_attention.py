@@ -389,6 +389,18 @@ def test_tokens_per_program_is_checked():
 
 
 @pytest.mark.cpu
+def test_default_packing_rule():
+    """Packed in batched calls with T > 1; one sequence packs from T x capacity = PACK_ROWS_X_KEYS; never T = 1."""
+    assert ta.default_tokens_per_program(1, 16, 512, 4) == 1        # the 8B's DDTree-15 verify, short context
+    assert ta.default_tokens_per_program(1, 65, 512, 4) == 1        # DDTree-64, short
+    assert ta.default_tokens_per_program(1, 65, 1024, 4) == 4       # DDTree-64, 1024-key cache
+    assert ta.default_tokens_per_program(1, 16, 4096, 6) == 2       # the 27B's shape (6 query heads per kv head)
+    assert ta.default_tokens_per_program(1, 1, 1 << 20, 4) == 1     # decode never packs
+    assert ta.default_tokens_per_program(2, 2, 16, 4) == 4          # batched
+    assert ta.default_tokens_per_program(8, 1, 4096, 4) == 1
+
+
+@pytest.mark.cpu
 def test_disable_flag(monkeypatch):
     monkeypatch.delenv("ENGINE_DISABLE_TRITON", raising=False)
     assert not ta.triton_disabled()

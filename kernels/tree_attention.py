@@ -76,6 +76,7 @@ BLOCK_N = 64        # keys per inner-loop block
 SPLIT_SIZE = 512    # keys per split (a multiple of BLOCK_N)
 MAX_TRITON_T = 128  # the dispatcher uses the kernel up to this many new rows
 SMEM_FOR_STAGES = 160 * 1024  # bytes of K/V blocks in flight: the H200 has 227 KiB of shared memory per block
+PACK_ROWS_X_KEYS = 65536  # one sequence's tokens share programs from T x capacity = this (docs/performance.md)
 
 
 def _check_shapes(q, k_cache, v_cache, node_mask):
@@ -323,6 +324,16 @@ def tokens_per_tile(G: int) -> int:
     return max(16, next_pow2(G)) // next_pow2(G)
 
 
+def default_tokens_per_program(B: int, T: int, capacity: int, G: int) -> int:
+    """Tokens per program by default: packed in batched calls with T > 1, and for one sequence once its T tokens
+    times the cache's capacity reach PACK_ROWS_X_KEYS (a 65-row verify over a 1024-key cache: there each token's
+    program walking the whole prefix again costs more than a packed program walking its tokens' tails one after
+    another; below it packing loses). Shapes only, never `start`: the grid is fixed for CUDA graphs."""
+    if T > 1 and (B > 1 or T * capacity >= PACK_ROWS_X_KEYS):
+        return tokens_per_tile(G)
+    return 1
+
+
 def _start_tensor(start, B: int, device) -> torch.Tensor:
     """start on the device: one value for all rows, or one per batch row (then contiguous, [B])."""
     if isinstance(start, torch.Tensor):
@@ -355,8 +366,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     the result. `split_size` (keys per split, rounded up to a multiple of `block_n`) fixes the number of splits,
     cdiv(CAP, split_size); the grid depends on shapes only, never on `start`. `num_warps`, `num_stages`: launch
     overrides, for tuning. `tokens_per_program`: 1, or the tokens that fit the 16-row tile (16 // next_pow2(G));
-    by default the latter for batched calls (B > 1) with T > 1, 1 otherwise (docs/performance.md: packing pays
-    from 8 rows of 16 tokens and costs at 1 to 4). Every choice gives the same bits.
+    by default default_tokens_per_program's choice. Both give the same bits (`num_warps` does not: a verify must
+    launch as its one-token decode does).
     """
     if triton is None:
         raise RuntimeError("tree_attention_triton needs triton")
@@ -393,7 +404,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     g_p2 = next_pow2(G)
     block_m = max(16, g_p2)
     if tokens_per_program is None:
-        tok = tokens_per_tile(G) if B > 1 and T > 1 else 1
+        tok = default_tokens_per_program(B, T, CAP, G)
     elif tokens_per_program in (1, tokens_per_tile(G)):
         tok = tokens_per_program
     else:
