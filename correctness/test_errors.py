@@ -821,6 +821,18 @@ def test_budget_too_large_for_memory(target, dirs, capsys):
                      mentions="needs about")
 
 
+def test_concurrency_too_large_for_memory_is_refused_before_any_run(bench_target, monkeypatch):
+    """`bench --concurrency` with more rows than memory holds stops with the numbers before its reference runs."""
+    from engine.measure import Bench, sweep
+
+    bench = Bench(load_target(str(bench_target), device="cpu", dtype=torch.float32), None, warmup=0, repeats=1)
+    monkeypatch.setattr(Bench, "reference", lambda *a, **k: pytest.fail("a reference ran before the memory check"))
+    with pytest.raises(EngineError) as e:
+        sweep(bench, ["ar"], ["fib", "json"], 8, [1, 10 ** 7], progress=False)
+    assert_one_line(e, "10000000 rows of")
+    assert "available" in str(e.value)
+
+
 def test_weights_too_large_for_the_device(dirs, monkeypatch, capsys):
     """A model or draft whose weights exceed the device's free memory is one error with both sizes, raised before
     anything is allocated (a CUDA out-of-memory traceback otherwise)."""

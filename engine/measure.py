@@ -197,6 +197,12 @@ def sweep(bench: "Bench", methods: list[str], workloads: list[str], new_tokens: 
     from .batch import BatchDecoder
 
     parsed = [Method.parse(m, bench.topk_cap) for m in methods]
+    # The target's rows at the largest concurrency must fit before the reference runs: a lower bound of every
+    # method's need (the drafts' is checked again at each decoder, with the draft's buffers)
+    ids = {w: prompt_ids(bench.target, w) for w in workloads}
+    widest = max(concurrency)
+    BatchDecoder(bench.target.model, rows=widest).check_fits(
+        [ids[workloads[i % len(workloads)]] for i in range(widest)], new_tokens)
     for w in workloads:
         bench.reference(w, new_tokens)
     policy = {}
@@ -204,16 +210,16 @@ def sweep(bench: "Bench", methods: list[str], workloads: list[str], new_tokens: 
         from .budget import choose_budgets
 
         policy = choose_budgets(bench, workloads, new_tokens, concurrency)
-    drafter = bench._drafter_for(max(len(prompt_ids(bench.target, w)) for w in workloads) + new_tokens)
+    drafter = bench._drafter_for(max(len(p) for p in ids.values()) + new_tokens)
     if bench.synthetic:
         for w in workloads:
-            drafter.add_reference(prompt_ids(bench.target, w), bench.reference(w, new_tokens).tokens)
+            drafter.add_reference(ids[w], bench.reference(w, new_tokens).tokens)
     records = []
     total = len(concurrency) * len(parsed) * (bench.warmup + bench.repeats)
     with tqdm(total=total, disable=not progress, desc="sweep", unit="run", file=sys.stderr) as bar:
         for c in concurrency:
             names = [workloads[i % len(workloads)] for i in range(c)]
-            prompts = [prompt_ids(bench.target, w) for w in names]
+            prompts = [ids[w] for w in names]
             for m in parsed:
                 bar.set_postfix_str(f"c{c}/{m.name}")
                 settings = m.settings
