@@ -11,19 +11,11 @@ import torch
 
 from . import workloads
 from .decode import METHODS, DecodeSettings, Decoder
-from .errors import EngineError, WeightsTooLarge
+from .errors import EngineError, Parser, WeightsTooLarge
 from .draft import DRAFT_WEIGHTS
 from .loading import DEFAULT_TARGET, load_drafter, load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are the engine's one `error:` line and exit code 2 (subcommands inherit it)."""
-
-    def error(self, message: str):
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -46,7 +38,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m engine", description=__doc__)
+    parser = Parser(prog="python -m engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="decode one prompt greedily")

@@ -1,4 +1,8 @@
-"""The one error type users see: a single line that names the problem."""
+"""The one error type users see: a single line that names the problem; and the argument parser that reports usage
+errors the same way."""
+
+import argparse
+import sys
 
 
 class EngineError(ValueError):
@@ -18,3 +22,12 @@ def env_switch(name: str) -> bool | None:
         return read(name)
     except ValueError as e:
         raise EngineError(str(e)) from None
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one `error:` line and exit code 2 (subcommands inherit it): the engine's CLI
+    and the perf tools."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)

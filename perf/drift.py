@@ -10,13 +10,12 @@ clock stays put, the drift is neither placement nor clock; that is what docs/per
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
 import engine
-from engine.errors import EngineError
+from engine.errors import EngineError, Parser
 from engine.launch import visible_gpus
 from engine.measure import AUTO, Method
 from engine.results import gpu_telemetry
@@ -24,7 +23,7 @@ from engine.workloads import WORKLOADS, prompt_ids
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m perf.drift", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m perf.drift", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=engine.DEFAULT_TARGET)
     ap.add_argument("--draft", default="default")
     ap.add_argument("--workload", default="fib", choices=sorted(WORKLOADS))

@@ -15,6 +15,8 @@ import math
 import sys
 from pathlib import Path
 
+from engine.errors import Parser
+
 FLOORS_PATH = Path(__file__).with_name("floors.json")
 KEY_FIELDS = ("device", "tp", "pair", "workload", "length", "method")
 
@@ -144,8 +146,7 @@ def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.floors", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m perf.floors", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("record", help="write or update floors from perf results files")
     r.add_argument("results", nargs="+", type=Path)

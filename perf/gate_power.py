@@ -14,13 +14,13 @@ gate runs); runs share nothing. `--budget-s` starts no run that the previous run
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
 
+from engine.errors import Parser
 from engine.launch import visible_gpus
 from engine.results import gpu_telemetry, write_json
 from engine.workloads import GATED_LENGTHS, PREMERGE, lengths_for, pairs
@@ -72,7 +72,7 @@ def verdicts(records: dict, threshold: float) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m perf.gate_power", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m perf.gate_power", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="the base revision (default HEAD: an A/A of this commit)")
     ap.add_argument("--pairs", default=",".join(PREMERGE), help="pairs of the pre-merge selection to measure")
     ap.add_argument("--plant", type=float, action="append", default=[], metavar="F",

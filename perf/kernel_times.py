@@ -16,6 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engine.errors import Parser
+
 
 def graph_time_us(fn, reps: int = 50, iters: int = 20) -> float:
     """Microseconds per call of fn: `reps` calls captured in one CUDA graph (after a warm-up on a side stream),
@@ -192,7 +194,8 @@ def _cross_entropy(gen) -> list[tuple[str, object, object]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m perf.kernel_times", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="also write the times to this file")
     p.add_argument("--only", metavar="PREFIX", help="only the kernels whose name starts with PREFIX")
     args = p.parse_args(argv)

@@ -35,6 +35,7 @@ import torch
 import engine
 from engine.batch import BatchDecoder
 from engine.draft import DRAFT_WEIGHTS
+from engine.errors import Parser
 from engine.parallel import TensorParallel
 
 
@@ -193,7 +194,8 @@ def solo_model(solo: SoloShard, forward, collective_us: float) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m perf.profile_round", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="synthetic:qwen3-8b")
     p.add_argument("--draft", default="default")
     p.add_argument("--draft-weights", default="model", choices=DRAFT_WEIGHTS, help="as engine's --draft-weights")

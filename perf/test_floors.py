@@ -85,6 +85,17 @@ def test_record_cli_errors(tmp_path, capsys):
     assert not (tmp_path / "f.json").exists()
 
 
+@pytest.mark.parametrize("argv", [["record"], ["record", "r.json", "--margin", "q"], ["erase"]])
+def test_usage_errors_are_one_line(argv, capsys):
+    """A malformed command line is one `error:` line naming the problem, exit code 2 (argparse's default prints
+    the usage first)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
 def test_floors_path_that_is_a_directory(tmp_path):
     """A floors path that cannot be read is one FloorsError (was an IsADirectoryError traceback)."""
     with pytest.raises(FloorsError, match="unreadable floors file"):
