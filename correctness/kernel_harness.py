@@ -89,10 +89,33 @@ def hard_logit_cases(gen: torch.Generator, rows: int, vocab: int) -> list[tuple[
     return [("ties", ties, vocab), ("-inf tail", masked, vocab // 3), ("strided", strided, vocab)]
 
 
+def interpreter_numpy_fix() -> None:
+    """Older Triton interpreters (3.6 among them) turn a scalar into a Python int with int() of its one-element
+    array, which numpy >= 2.4 refuses, so every loop bounded by a loaded scalar raised TypeError('only 0-dimensional
+    arrays can be converted to Python scalars') (triton-lang/triton#9171, fixed upstream by squeezing the array).
+    Each launch re-installs the interpreter's tensor methods, so this wraps the installer to take the element with
+    .item() (which still refuses more than one)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    install = getattr(interpreter, "_patch_lang_tensor", None)
+    if install is None or getattr(install, "numpy_fix", False):
+        return
+
+    def install_fixed(tensor, scope):
+        install(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    install_fixed.numpy_fix = True
+    interpreter._patch_lang_tensor = install_fixed
+
+
 def run_checks_main(checks: dict) -> None:
     """`python -m correctness.test_kernel_X [CHECK ...]` under TRITON_INTERPRET=1: run the named checks, print OK."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("set TRITON_INTERPRET=1")
+    interpreter_numpy_fix()
     for check in sys.argv[1:] or sorted(checks):
         t0 = time.perf_counter()
         print(f"{check}: {checks[check]()} in {time.perf_counter() - t0:.1f}s")

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from correctness.kernel_harness import assert_interpreted_ok, programs_in_reverse, run_checks_main
+from correctness.kernel_harness import (assert_interpreted_ok, interpreter_numpy_fix, programs_in_reverse,
+                                       run_checks_main)
 import kernels
 from kernels import tree_attention as ta
 from kernels.tree_attention import tokens_per_tile, tree_attention, tree_attention_reference, tree_attention_triton
@@ -279,6 +280,7 @@ def check_case(case: Case) -> dict:
 def _interpreter_main(group: str) -> int:
     """Entry point of the interpreter subprocess: run a group, print one JSON line, exit 1 on any mismatch."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    interpreter_numpy_fix()
     torch.set_num_threads(1)
     results = {}
     for case in GROUPS[group]():
