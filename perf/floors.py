@@ -15,8 +15,6 @@ import math
 import sys
 from pathlib import Path
 
-from engine.errors import Parser
-
 FLOORS_PATH = Path(__file__).with_name("floors.json")
 KEY_FIELDS = ("device", "tp", "pair", "workload", "length", "method")
 
@@ -146,6 +144,8 @@ def record(result_files: list[Path], floors_path: Path = FLOORS_PATH, margin: fl
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.errors import Parser
+
     p = Parser(prog="python -m perf.floors", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("record", help="write or update floors from perf results files")
