@@ -833,6 +833,26 @@ def test_concurrency_too_large_for_memory_is_refused_before_any_run(bench_target
     assert "available" in str(e.value)
 
 
+def test_concurrency_whose_draft_buffers_do_not_fit_is_refused_before_any_run(bench_target, monkeypatch):
+    """With room for AR's rows only, a drafting method is refused with its draft's share before any reference."""
+    import engine.batch
+    from engine.batch import BatchDecoder
+    from engine.measure import Bench, sweep
+    from engine.workloads import prompt_ids
+
+    target = load_target(str(bench_target), device="cpu", dtype=torch.float32)
+    bench = Bench(target, load_drafter("random:2", target), warmup=0, repeats=1)
+    rows, new_tokens = 4, 8
+    ar = BatchDecoder(target.model, rows=rows)
+    ar_need = sum(ar.one.round_bytes(ar.one._capacity(len(prompt_ids(target, "fib")), new_tokens)).values()) * rows
+    monkeypatch.setattr(engine.batch, "available_bytes", lambda device: ar_need)
+    monkeypatch.setattr(Bench, "reference", lambda *a, **k: pytest.fail("a reference ran before the memory check"))
+    with pytest.raises(EngineError) as e:
+        sweep(bench, ["ar", "dflash"], ["fib"], new_tokens, [1, rows], progress=False)
+    assert_one_line(e, f"{rows} rows of")
+    assert "available" in str(e.value)
+
+
 def test_weights_too_large_for_the_device(dirs, monkeypatch, capsys):
     """A model or draft whose weights exceed the device's free memory is one error with both sizes, raised before
     anything is allocated (a CUDA out-of-memory traceback otherwise)."""

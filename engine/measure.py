@@ -195,22 +195,24 @@ def sweep(bench: "Bench", methods: list[str], workloads: list[str], new_tokens: 
     from tqdm import tqdm
 
     from .batch import BatchDecoder
+    from .budget import BUDGETS, choose_budgets
 
     parsed = [Method.parse(m, bench.topk_cap) for m in methods]
-    # The target's rows at the largest concurrency must fit before the reference runs: a lower bound of every
-    # method's need (the drafts' is checked again at each decoder, with the draft's buffers)
     ids = {w: prompt_ids(bench.target, w) for w in workloads}
+    drafter = bench._drafter_for(max(len(p) for p in ids.values()) + new_tokens)
+    # Every method's rows at the largest concurrency, the draft's buffers included, must fit before the reference
+    # runs (ddtree-auto at the smallest budget it may pick)
     widest = max(concurrency)
-    BatchDecoder(bench.target.model, rows=widest).check_fits(
-        [ids[workloads[i % len(workloads)]] for i in range(widest)], new_tokens)
+    for m in parsed:
+        settings = DecodeSettings("ddtree", min(BUDGETS), bench.topk_cap) if m.name == AUTO else m.settings
+        BatchDecoder(bench.target.model, drafter if m.drafts else None, settings, rows=widest).check_fits(
+            [ids[workloads[i % len(workloads)]] for i in range(widest)], new_tokens)
     for w in workloads:
         bench.reference(w, new_tokens)
     policy = {}
     if any(m.name == AUTO for m in parsed):
-        from .budget import choose_budgets
-
         policy = choose_budgets(bench, workloads, new_tokens, concurrency)
-    drafter = bench._drafter_for(max(len(p) for p in ids.values()) + new_tokens)
+        drafter = bench._drafter_for(max(len(p) for p in ids.values()) + new_tokens)  # the policy's may be newer
     if bench.synthetic:
         for w in workloads:
             drafter.add_reference(ids[w], bench.reference(w, new_tokens).tokens)
