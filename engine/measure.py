@@ -199,7 +199,8 @@ def sweep(bench: "Bench", methods: list[str], workloads: list[str], new_tokens: 
 
     parsed = [Method.parse(m, bench.topk_cap) for m in methods]
     ids = {w: prompt_ids(bench.target, w) for w in workloads}
-    drafter = bench._drafter_for(max(len(p) for p in ids.values()) + new_tokens)
+    longest = max(len(p) for p in ids.values())
+    drafter = bench._drafter_for(longest + new_tokens)
     # Every method's rows at the largest concurrency, the draft's buffers included, must fit before the reference
     # runs (ddtree-auto at the smallest budget it may pick)
     widest = max(concurrency)
@@ -212,7 +213,7 @@ def sweep(bench: "Bench", methods: list[str], workloads: list[str], new_tokens: 
     policy = {}
     if any(m.name == AUTO for m in parsed):
         policy = choose_budgets(bench, workloads, new_tokens, concurrency)
-        drafter = bench._drafter_for(max(len(p) for p in ids.values()) + new_tokens)  # the policy's may be newer
+        drafter = bench._drafter_for(longest + new_tokens)  # the policy's oracle may have replaced it
     if bench.synthetic:
         for w in workloads:
             drafter.add_reference(ids[w], bench.reference(w, new_tokens).tokens)
