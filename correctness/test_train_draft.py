@@ -3,6 +3,7 @@ steps, a checkpoint that resumes, a draft in the public DFlash format that the l
 losslessly, and the held-out acceptance summary. (The committed default draft is trained on a GPU: docs/training.md.)"""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 import subprocess
@@ -482,6 +483,38 @@ def test_train_resume_load_and_decode(tiny_checkpoints, tmp_path, recipe):
         assert taus["dflash" if method == "dflash" else f"ddtree-{budget}"] == pytest.approx(want, rel=1e-12)
 
 
+def test_init_starts_training_from_a_drafts_weights_and_shape(tiny_checkpoints, tmp_path):
+    """--init: the run starts from the given draft (its weights, layers, block size, mask token and target layers,
+    which replace --layers and --block-size), not from random weights; a draft whose layers the training pass does
+    not model is refused."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    given = new_draft(target, TrainSettings(out="", layers=2, block_size=5, seed=3), mask_token_id=7)
+    save_dflash(given, target, tmp_path / "given", dtype=torch.float32)
+    settings = TrainSettings(out=str(tmp_path / "run"), init=str(tmp_path / "given"), prompts=12, new_tokens=12,
+                             gen_batch=6, steps=1, batch=3, anchors=3, warmup=1, lr=1e-9, eval_tokens=12)
+    result = train(target, settings, torch.device("cpu"), log=lambda line: None)
+    assert (settings.layers, settings.block_size) == (2, 5)
+    tuned = load_dflash_draft(result.draft_dir, target)
+    assert (tuned.dcfg.block_size, tuned.dcfg.mask_token_id) == (5, 7)
+    assert tuned.dcfg.target_layer_ids == given.dcfg.target_layer_ids
+    start = given.state_dict()
+    for name, w in tuned.state_dict().items():  # one step at lr 1e-9: the given weights, written in bfloat16
+        torch.testing.assert_close(w, start[name], rtol=2 ** -8, atol=1e-6)
+    fresh = new_draft(target, TrainSettings(out="", layers=2, block_size=5), mask_token_id=7).state_dict()
+    assert any(not torch.allclose(fresh[n], w) for n, w in start.items())  # so the check above can fail
+
+    config = json.loads((tmp_path / "given" / "config.json").read_text())
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    (tmp_path / "given" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(engine.EngineError, match="full-attention layers"):
+        train(target, dataclasses.replace(settings, out=str(tmp_path / "run2")), torch.device("cpu"),
+              log=lambda line: None)
+    with pytest.raises(engine.EngineError, match="no trained default draft"):
+        train(target, dataclasses.replace(settings, out=str(tmp_path / "run3"), init="default"),
+              torch.device("cpu"), log=lambda line: None)
+
+
 def test_train_draft_rejects_bad_settings(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "engine", "train-draft", "--out", str(tmp_path / "x"), "--steps",
                            "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -498,7 +531,8 @@ def test_train_draft_rejects_bad_settings(tmp_path):
     for bad, message in ((["--minutes", "-1"], "--minutes is a time budget"),
                          (["--minutes", "5", "--resume"], "--minutes sets the step count"),
                          (["--warmup", "-1"], "--warmup must be >= 0"),
-                         (["--validation", "-1"], "--validation must be >= 0")):
+                         (["--validation", "-1"], "--validation must be >= 0"),
+                         (["--init", str(tmp_path / "no-draft")], "--init: draft path")):
         proc = subprocess.run([sys.executable, "-m", "engine", "train-draft", "--out", str(tmp_path / "x"), *bad],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -389,6 +389,8 @@ def cmd_train_draft(args) -> int:
         raise EngineError(f"--distill is the KL's share of the loss, from 0 to 1; got {settings.distill}")
     if not 0 <= settings.self_written <= 1:
         raise EngineError(f"--self-written is a share of the prompts, from 0 to 1; got {settings.self_written}")
+    if settings.init not in ("", "default") and not Path(settings.init).expanduser().exists():
+        raise EngineError(f"--init: draft path {settings.init} does not exist")  # before the target loads
     check_writable(Path(args.out) / "summary.json", "a training run")
     if (Path(args.out) / "checkpoint.pt").exists() and not args.resume:  # before the target loads (minutes for a
         # large one) and writes its prompts; train() refuses the same folder again

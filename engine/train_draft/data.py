@@ -46,7 +46,8 @@ def continue_prompts(model: Transformer, prompts: list[list[int]], new_tokens: i
     from kernels import triton_disabled
 
     dev = model.device
-    use_graphs = dev.type == "cuda" and not triton_disabled() and model.graphable
+    # a hybrid's keep_prefix makes its length tensor on the host, which a CUDA graph cannot capture: eager there
+    use_graphs = dev.type == "cuda" and not triton_disabled() and not model.cfg.hybrid
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(i)

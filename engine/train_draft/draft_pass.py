@@ -3,13 +3,16 @@ pass, which computes for a batch of anchors what DFlashDrafter.propose computes 
 "DFlash draft"), in plain PyTorch ops."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from kernels.fused import rmsnorm_reference, rope_reference
 
 from ..draft import DFlashDraftModel, draft_config
-from ..loading import Target
+from ..errors import EngineError
+from ..loading import Target, load_dflash_draft
 from ..model import Rotary
 from .settings import TrainSettings
 
@@ -23,6 +26,29 @@ def new_draft(target: Target, settings: TrainSettings, mask_token_id: int) -> DF
             torch.nn.init.normal_(p, std=0.02)
         else:
             torch.nn.init.ones_(p)  # norms
+    return draft
+
+
+def initial_draft(target: Target, settings: TrainSettings, log=print) -> DFlashDraftModel:
+    """The draft a run starts from, in float32: settings.init's weights (fine-tuning), or new_draft's. An init
+    draft's shape is the run's: settings.layers and settings.block_size are set from it."""
+    if not settings.init:
+        return new_draft(target, settings, pick_mask_token(target))
+    path = target.default_draft if settings.init == "default" else settings.init
+    if path is None or path.startswith("random"):
+        raise EngineError(f"--init default: target {target.name} has no trained default draft; pass a draft "
+                          f"directory")
+    draft = load_dflash_draft(Path(path).expanduser(), target).float()
+    dcfg = draft.dcfg
+    # draft_logits_train is the pass of train-draft's own drafts: full-attention layers with q/k norms
+    unfit = ("sliding-window layers" if any(w is not None for w in dcfg.sliding_window)
+             else "no q/k norms" if not dcfg.layers.qk_norm else None)
+    if unfit:
+        raise EngineError(f"--init {settings.init}: train-draft trains drafts of full-attention layers with q/k "
+                          f"norms; this draft has {unfit}")
+    settings.layers, settings.block_size = dcfg.layers.num_layers, dcfg.block_size
+    log(f"starting from the draft {path}: {settings.layers} layers, block {settings.block_size}, "
+        f"mask token {dcfg.mask_token_id}, target layers {list(dcfg.target_layer_ids)}")
     return draft
 
 

@@ -20,7 +20,7 @@ from ..loading import Target, save_dflash
 from ..model import Rotary
 from ..results import atomic_torch_save, remove_stale_temporaries, write_json
 from .data import draw_batch, generate_data, pack
-from .draft_pass import draft_logits_train, new_draft, pick_mask_token
+from .draft_pass import draft_logits_train, initial_draft
 from .features import feature_bank, target_features
 from .loss import accepted_prefix, block_loss, target_block_logits
 from .schedule import RATE_WINDOW, learning_rate, steps_in_budget
@@ -123,7 +123,7 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
     amp = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.perf_counter()
     data, data_reused = _data(target, settings, data_path, log)
-    draft = new_draft(target, settings, pick_mask_token(target)).to(device)
+    draft = initial_draft(target, settings, log).to(device)
     # fused: one launch for the whole update (the step is bound by the host)
     opt = torch.optim.AdamW(draft.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=device.type == "cuda")

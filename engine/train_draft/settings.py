@@ -15,6 +15,10 @@ class TrainSettings:
     """The recipe; the defaults made the committed default draft (docs/training.md). Each help text is its CLI
     option's."""
     out: str
+    init: str = _setting("", "a DFlash draft directory (or `default`: the target's default draft) to start from "
+                             "instead of random weights, fine-tuning it (e.g. after the target's numerics changed); "
+                             "its layers, block size, mask token and target layers replace --layers and "
+                             "--block-size")
     layers: int = _setting(5, "draft layers, each of the target's width")
     block_size: int = _setting(16, "tokens per draft block, the anchor's own included")
     prompts: int = _setting(106496, "training prompts, each answered by the target")
