@@ -237,6 +237,30 @@ def test_batched_decoding_gives_every_request_its_batch1_ar_output(tiny_checkpoi
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 4)])
+def test_batched_decoding_with_a_drafter_that_reads_no_features(tiny_checkpoints, method, budget):
+    """A drafter without feature layers (the Drafter default; here an oracle with no real draft behind it) decodes
+    batched as it does alone: every request equals its batch-1 AR output."""
+    from engine.batch import BatchDecoder
+    from engine.exactness import compare_tokens, tolerance_for
+
+    target = engine.load_target(str(tiny_checkpoints["qwen3-gqa-untied-sharded"][0]), "cpu", torch.float32)
+    vocab = target.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (4, 13, 9)]
+    refs = [engine.Decoder(target.model).generate(p, 16, record_margins=True) for p in prompts]
+    drafter = engine.OracleDrafter([0], vocab, 5, device="cpu", max_length=64)
+    assert tuple(drafter.feature_layers) == ()
+    for p, r in zip(prompts, refs):
+        drafter.add_reference(p, r.tokens, miss_rate=0.3)
+    results = BatchDecoder(target.model, drafter, engine.DecodeSettings(method, budget), rows=2).generate(prompts, 16)
+    for i, (res, ref) in enumerate(zip(results, refs)):
+        verdict = compare_tokens(ref.tokens, ref.margins, res.tokens, tolerance_for(torch.float32))
+        assert verdict.ok, f"request {i}: {verdict.describe()}"
+    assert max(r.tau for r in results) > 1.5  # the oracle was read
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_first_prompts_are_prefilled_together_where_padding_pays(tiny_checkpoints, monkeypatch, kind):
     """The first rows' prompts share one prefill pass where padding them to the longest at most doubles the work

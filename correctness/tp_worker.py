@@ -27,7 +27,8 @@ from .checkpoints import random_draft_context
 NEW_TOKENS = 40
 CASES = (("dflash", 0, "random:1"), ("dflash", 0, "oracle"), ("ddtree", 4, "random:1"), ("ddtree", 15, "oracle"),
          ("ddtree", 6, "oracle"), ("dflash", 0, "sharded random:2"), ("ddtree", 6, "sharded random:2"),
-         ("ddtree", 6, "int8 random:2"))  # int8: the replicated draft with int8 weights and its LM head's vocab shard
+         ("ddtree", 6, "int8 random:2"), ("ddtree", 6, "w8a8 random:2"))
+# int8 / w8a8: the replicated draft with int8 weights (w8a8: and int8 rows) and its LM head's vocab shard
 
 
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
@@ -59,7 +60,7 @@ def check_target(spec: str, tp) -> dict:
         else:
             *how, spec = draft.split()
             drafter = engine.load_drafter(spec, target, block_size=8, shard="sharded" in how,
-                                          weights="int8" if "int8" in how else "model")
+                                          weights=next((w for w in ("int8", "w8a8") if w in how), "model"))
         result = engine.Decoder(target.model, drafter, engine.DecodeSettings(method, budget)).generate(ids, NEW_TOKENS)
         verdict = compare_tokens(ar.tokens, ar.margins, result.tokens, tol)
         out["methods"][f"{method}-{budget}-{draft}"] = dict(ok=verdict.ok, verdict=verdict.describe(),

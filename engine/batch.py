@@ -295,7 +295,8 @@ class BatchDecoder:
         start = st.view.start
 
         def draft():
-            feats, n_feats = batch.features[:B], batch.n_features[:B]
+            feats = None if batch.features is None else batch.features[:B]  # a drafter that reads no features
+            n_feats = batch.n_features[:B]
             if batch.prompt_features:  # a row admitted since the last round drafts from its whole prompt
                 wide = max([block] + [f.shape[0] for f in batch.prompt_features.values()])
                 feats = torch.cat((feats, feats.new_zeros(B, wide - block, feats.shape[-1])), dim=1)

@@ -507,9 +507,8 @@ class Transformer(nn.Module):
         """LM-head logits in float32. From bf16 weights they are accumulated and kept in float32: rounding them
         to bf16 (an ulp of 0.06 to 0.125 at typical magnitudes) would turn real margins into ties. int8_head: an
         int8 copy of the LM head (a draft's, engine.draft) used instead, also on int8 rows (Int8Rows)."""
-        if isinstance(hidden, Int8Rows):
-            return int8_linear(hidden, int8_head, out_dtype=torch.float32)
-        flat = hidden.reshape(-1, hidden.shape[-1])
+        # int8 rows go to int8_linear as they are (any leading dims)
+        flat = hidden if isinstance(hidden, Int8Rows) else hidden.reshape(-1, hidden.shape[-1])
         if int8_head is not None:
             out = int8_linear(flat, int8_head, out_dtype=torch.float32)
         elif hidden.dtype == torch.float32:
@@ -519,5 +518,5 @@ class Transformer(nn.Module):
         else:  # no mixed-precision GEMM here: upcast (slower, same result)
             out = F.linear(flat.float(), self.lm_head.weight.float())
         if self.tp is not None:  # every rank gets the full logits: the same decisions everywhere
-            out = self.tp.all_gather_last(out)[:, :self.cfg.vocab_size]
+            out = self.tp.all_gather_last(out)[..., :self.cfg.vocab_size]
         return out.view(*hidden.shape[:-1], -1)

@@ -256,6 +256,8 @@ def bench_args(pair, tp: int, workloads: list[str], methods: list[str], lengths:
             "--repeats", str(RUNS["repeats"]), "--warmup", str(RUNS["warmup"])]
     if pair.miss_rate is not None:
         args += ["--acceptance", f"synthetic:{pair.miss_rate}"]
+    if pair.draft_weights != "model":  # only where it matters: a base older than the flag can run the other pairs
+        args += ["--draft-weights", pair.draft_weights]
     if tp > 1:
         args += ["--tp", str(tp)]
     return args

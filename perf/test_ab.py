@@ -33,6 +33,22 @@ def noisy(rng, centre, spread, n=5):
     return [centre * math.exp(rng.gauss(0, spread)) for _ in range(n)]
 
 
+def test_bench_args_name_every_setting_of_the_pair():
+    """Both sides get the pair's whole request: its draft weights included (int8 for the int8-draft pair), so the A/B
+    measures the pair the floors name."""
+    from engine.workloads import PAIRS
+    from perf.ab import bench_args
+
+    for pair in PAIRS:
+        name, args = pair.name, bench_args(pair, 1, ["fib"], ["ar", "ddtree-15"], {"fib": 64})
+        assert args[args.index("--target") + 1] == pair.target and args[args.index("--draft") + 1] == pair.draft
+        if pair.draft_weights == "model":
+            assert "--draft-weights" not in args, name
+        else:
+            assert args[args.index("--draft-weights") + 1] == pair.draft_weights, name
+    assert any(p.draft_weights != "model" for p in PAIRS)
+
+
 def test_mann_whitney_counts():
     assert _u_counts(2, 2) == (1, 1, 2, 1, 1)
     for n, m in [(3, 3), (5, 5), (4, 6)]:
