@@ -37,7 +37,7 @@ def initial_draft(target: Target, settings: TrainSettings, log=print) -> DFlashD
     path = target.default_draft if settings.init == "default" else settings.init
     if path is None or path.startswith("random"):
         raise EngineError(f"--init default: target {target.name} has no trained default draft; pass a draft "
-                          f"directory")
+                          "directory")
     draft = load_dflash_draft(Path(path).expanduser(), target).float()
     dcfg = draft.dcfg
     # draft_logits_train is the pass of train-draft's own drafts: full-attention layers with q/k norms
