@@ -29,7 +29,16 @@ from engine.train_draft.loss import accepted_prefix, block_loss, target_block_lo
 from engine.train_draft.schedule import steps_in_budget
 from engine.workloads import heldout_prompts, prompt_ids
 
+from .checkpoints import make_hybrid_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
+HYBRID_NAME = "q35-attn-first"  # a hybrid target (Gated DeltaNet layers): its answers and features take other paths
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_checkpoints, tmp_path_factory):
+    """The tiny checkpoints and one hybrid, by name: path first."""
+    return {**tiny_checkpoints, HYBRID_NAME: make_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid"), HYBRID_NAME)}
 
 
 def _hf_target(target):
@@ -111,12 +120,12 @@ def test_padding_to_the_packed_width_does_not_change_the_loss(tiny_checkpoints):
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias"])
-def test_training_features_are_the_targets_hidden_states(tiny_checkpoints, name):
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias", HYBRID_NAME])
+def test_training_features_are_the_targets_hidden_states(targets, name):
     """The target's forward over whole sequences (a batch of them, no node_mask: causal attention by SDPA) gives its
     hidden states after each chosen layer and its final-normed states, as transformers computes them and as the
     engine's prefill with a causal node_mask does."""
-    path, _ = tiny_checkpoints[name]
+    path, _ = targets[name]
     target = engine.load_target(str(path), "cpu", torch.float32)
     hf = _hf_target(target)
     tokens = torch.randint(10, target.model.cfg.vocab_size, (3, 37), generator=torch.Generator().manual_seed(8))
@@ -299,12 +308,12 @@ def _answers_equal_ar(target, prompts, answers, new_tokens, tolerance):
         assert verdict.ok, verdict.describe()
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias"])
-def test_batched_answers_are_what_decoding_each_prompt_alone_gives(tiny_checkpoints, name):
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias", HYBRID_NAME])
+def test_batched_answers_are_what_decoding_each_prompt_alone_gives(targets, name):
     """The training data's answers: prompts of several lengths (several batches, one split by the batch limit, rows
     of a batch in another order than the prompts) continue as the engine's own AR decode of each prompt alone, past
     end-of-sequence (exactness rule: only near-ties may differ)."""
-    path, _ = tiny_checkpoints[name]
+    path, _ = targets[name]
     target = engine.load_target(str(path), "cpu", torch.float32)
     rng = torch.Generator().manual_seed(5)
     lengths = [7, 3, 7, 12, 7, 3, 7, 1]
@@ -348,6 +357,21 @@ def test_batched_answers_from_cuda_graphs_equal_ar_on_the_gpu():
         torch.manual_seed(seed)
         runs.append(continue_prompts(target.model, prompts, 48, batch=4, desc="test", top_p=0.95))
     assert runs[0] == runs[1] != runs[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batched_answers_from_a_hybrid_on_the_gpu_equal_ar(targets):
+    """A hybrid target answers eagerly on the GPU (its recurrent states' keep_prefix is not capturable), through the
+    Triton kernels of its Gated DeltaNet layers: the answers still equal each prompt's own AR decode (bf16 rule)."""
+    from engine.exactness import tolerance_for
+
+    target = engine.load_target(str(targets[HYBRID_NAME][0]), "cuda", torch.bfloat16)
+    rng = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(1, target.model.cfg.vocab_size, (n,), generator=rng).tolist() for n in (5, 9, 5, 2, 9)]
+    answers = continue_prompts(target.model, prompts, 24, batch=2, desc="test")
+    assert len({tuple(a) for a in answers}) > 1
+    _answers_equal_ar(target, prompts, answers, 24, tolerance_for(torch.bfloat16))
 
 
 @pytest.mark.gpu
