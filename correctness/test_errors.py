@@ -907,6 +907,22 @@ def test_stale_result_temporaries_are_removed(tmp_path):
     assert json.loads((tmp_path / "bench-results.json").read_text()) == {"ok": 1}
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_writes_get_the_modes_of_a_plain_write(tmp_path, umask):
+    """Results and folders renamed into place have the mode a plain open() or mkdir() gives under the umask, not the
+    private mode of their temporaries (other users and CI read the results)."""
+    from engine.results import temporary_sibling, write_json
+
+    old = os.umask(umask)
+    try:
+        write_json(tmp_path / "r.json", {"ok": 1})
+        folder = temporary_sibling(tmp_path / "draft", folder=True)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
 @pytest.mark.slow
 def test_stale_conversion_folders_are_removed(default_hf_dir):
     """A killed GGUF conversion's half-written folder (540 MB for the default) goes at the next load, even when the

@@ -575,8 +575,6 @@ def save_dflash(draft: DFlashDraftModel, target: Target, out: Path, dtype=torch.
             total = sum(t.numel() * t.element_size() for t in state.values())
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps(dict(metadata=dict(total_size=total), weight_map=weight_map), indent=2))
-        for path in (tmp, *tmp.iterdir()):  # mkdtemp's 0700: readable by all
-            path.chmod(0o755 if path.is_dir() else 0o644)
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)

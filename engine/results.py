@@ -22,14 +22,24 @@ from .errors import EngineError
 _TEMPORARY = re.compile(r"^\..+\.(\d+)\.[^.]+\.tmp$")
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def temporary_sibling(path: Path, folder: bool = False) -> Path:
-    """A new, empty temporary file (or folder) beside path, named for remove_stale_temporaries."""
+    """A new, empty temporary file (or folder) beside path, named for remove_stale_temporaries. Its mode is what a
+    plain open() or mkdir() would give (mkstemp and mkdtemp make it private), since it is renamed into place."""
     prefix, where = f".{path.name}.{os.getpid()}.", path.parent
     if folder:
-        return Path(tempfile.mkdtemp(dir=where, prefix=prefix, suffix=".tmp"))
-    fd, name = tempfile.mkstemp(dir=where, prefix=prefix, suffix=".tmp")
-    os.close(fd)
-    return Path(name)
+        tmp = Path(tempfile.mkdtemp(dir=where, prefix=prefix, suffix=".tmp"))
+    else:
+        fd, name = tempfile.mkstemp(dir=where, prefix=prefix, suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
+    tmp.chmod((0o777 if folder else 0o666) & ~_umask())
+    return tmp
 
 
 def _alive(pid: int) -> bool:
