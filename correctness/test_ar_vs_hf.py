@@ -1,6 +1,9 @@
 """The engine's greedy AR equals transformers' greedy `generate`, token for token (exactness rule)."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -44,6 +47,22 @@ def test_tiny_checkpoint_stops_like_hf(tiny_checkpoints):
     stop = free.tokens[12]
     ours, _ = check_against_hf(target, hf_model, prompt, 30, (stop,))
     assert ours.tokens == free.tokens[:free.tokens.index(stop) + 1]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen3-mqa-tied"])
+def test_partial_rotary_factor_only_where_transformers_reads_it(tiny_checkpoints, tmp_path, name):
+    """transformers' Llama, Mistral, Qwen2 and Qwen3 rotate whole heads even where the config carries a
+    partial_rotary_factor (the hybrid family reads it): the engine follows the model type."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / name
+    shutil.copytree(tiny_checkpoints[name][0], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "partial_rotary_factor": 0.5}))
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    assert target.model.rotary.dim == target.model.cfg.head_dim
+    check_against_hf(target, hf_model, [5, 17, 33, 8, 40, 3], 24, ())
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ def test_preset_config(preset):
     cfg = ModelConfig.from_hf(_hf_config(shape, preset))
     assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == \
         (shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"])
-    inv_freq, scale, rot_dim = rope_inv_freq(cfg.hf, cfg.head_dim)
+    inv_freq, scale, rot_dim = rope_inv_freq(cfg.hf, cfg.head_dim, partial=cfg.model_type == "qwen3_5_text")
     rotary = int(cfg.head_dim * shape.get("rope_parameters", {}).get("partial_rotary_factor", 1.0))  # hybrids: 1/4
     assert rot_dim == rotary and inv_freq.numel() == rotary // 2 and torch.isfinite(inv_freq).all()
     assert cfg.hybrid == (shape["model_type"] == "qwen3_5_text")
@@ -34,7 +34,7 @@ def test_rotary_table_equals_the_formula(preset, dtype):
     from engine.model import Rotary
 
     cfg = ModelConfig.from_hf(_hf_config(SYNTHETIC_PRESETS[preset], preset))
-    rotary = Rotary(cfg.hf, cfg.head_dim, "cpu")
+    rotary = Rotary(cfg, "cpu")
     positions = torch.tensor([[0, 1, 2, 300, 301], [7, 255, 256, 1000, 1023]])
     want = rotary.compute(positions, dtype)
     for bound in (1024, 3000):

@@ -71,11 +71,12 @@ def _perturbed_draft(target, seed: int):
     return draft
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias"])
-def test_training_pass_equals_the_inference_pass(tiny_checkpoints, name):
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias", HYBRID_NAME])
+def test_training_pass_equals_the_inference_pass(targets, name):
     """What training optimises is what decoding runs: draft_logits_train's block after an anchor p equals
-    DFlashDrafter.propose given the target's features of positions < p and token p as the bonus."""
-    path, _ = tiny_checkpoints[name]
+    DFlashDrafter.propose given the target's features of positions < p and token p as the bonus (for a hybrid target
+    too, whose partial RoPE is not its Qwen3-layer draft's)."""
+    path, _ = targets[name]
     target = engine.load_target(str(path), "cpu", torch.float32)
     hf = _hf_target(target)
     draft = _perturbed_draft(target, seed=4)
@@ -84,7 +85,7 @@ def test_training_pass_equals_the_inference_pass(tiny_checkpoints, name):
         hidden = hf(seq, output_hidden_states=True).hidden_states
         feats = torch.cat([hidden[i + 1] for i in draft.dcfg.target_layer_ids], dim=-1)
         anchors = torch.tensor([[9, 23, 34]])
-        trained = draft_logits_train(draft, Rotary(target.model.cfg.hf, draft.dcfg.layers.head_dim, "cpu"),
+        trained = draft_logits_train(draft, Rotary(draft.dcfg.layers, "cpu"),
                                      hf.get_input_embeddings().weight, hf.get_output_embeddings().weight, feats, seq,
                                      anchors)
         drafter = DFlashDrafter(draft, target.model)
@@ -100,7 +101,7 @@ def test_padding_to_the_packed_width_does_not_change_the_loss(tiny_checkpoints):
     path, _ = tiny_checkpoints["llama-gqa-untied"]
     target = engine.load_target(str(path), "cpu", torch.float32)
     draft = _perturbed_draft(target, seed=3)
-    rotary = Rotary(target.model.cfg.hf, draft.dcfg.layers.head_dim, "cpu")
+    rotary = Rotary(draft.dcfg.layers, "cpu")
     rng = torch.Generator().manual_seed(5)
     vocab = target.model.cfg.vocab_size
     data = [dict(ids=torch.randint(10, vocab, (n,), generator=rng).tolist(), prompt_len=k)

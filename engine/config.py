@@ -1,6 +1,7 @@
 """Target-model configuration: the fields the engine's own model code needs, read from a transformers config."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -64,7 +65,7 @@ class ModelConfig:
             raise EngineError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         try:  # RoPE problems now, naming the checkpoint, before its weights load
-            rope_inv_freq(hf, head_dim)
+            rope_inv_freq(hf, head_dim, partial=model_type in HYBRID_MODEL_TYPES)
         except EngineError as e:
             raise EngineError(f"{where}: {e}") from None
         except (TypeError, ValueError, KeyError) as e:  # e.g. a rope_theta of null: transformers lets it through
@@ -136,11 +137,16 @@ def rope_parameters(hf) -> dict:
     return params
 
 
-def rope_inv_freq(hf, head_dim: int) -> tuple[torch.Tensor, float, int]:
-    """Inverse frequencies, the cos/sin scale and the rotary width for a config, using transformers' RoPE init."""
+def rope_inv_freq(hf, head_dim: int, partial: bool) -> tuple[torch.Tensor, float, int]:
+    """Inverse frequencies, the cos/sin scale and the rotary width for a config, using transformers' RoPE init.
+    partial: the model type rotates partial_rotary_factor of each head (the hybrid family); transformers' Llama,
+    Mistral, Qwen2 and Qwen3 rotate the whole head whatever the field says, and so do these models and DFlash drafts."""
     params = rope_parameters(hf)
     rope_type = params["rope_type"]
-    rot_dim = int(head_dim * params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)))
+    factor = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None)) or 1.0
+    if not partial and factor != 1.0:
+        hf, factor = _whole_head_rotary(hf), 1.0
+    rot_dim = int(head_dim * factor)
     if rope_type == "default":
         inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
         return inv_freq, 1.0, rot_dim
@@ -152,3 +158,14 @@ def rope_inv_freq(hf, head_dim: int) -> tuple[torch.Tensor, float, int]:
         raise EngineError(f"unknown RoPE scaling type {rope_type!r}")
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
     return inv_freq.float(), float(scale), 2 * inv_freq.numel()
+
+
+def _whole_head_rotary(hf):
+    """A copy of a config without partial_rotary_factor (in the 5.x and the 4.x layout), for transformers' RoPE
+    init functions, which read it for any model type."""
+    hf = copy.deepcopy(hf)
+    if isinstance(getattr(hf, "rope_parameters", None), dict):
+        hf.rope_parameters = {k: v for k, v in hf.rope_parameters.items() if k != "partial_rotary_factor"}
+    if getattr(hf, "partial_rotary_factor", None) is not None:
+        hf.partial_rotary_factor = 1.0
+    return hf

@@ -160,7 +160,7 @@ class DFlashDrafter(Drafter):
         self.feature_layers = tuple(dcfg.target_layer_ids)
         self.mask_token_id = dcfg.mask_token_id
         self.windows = dcfg.sliding_window
-        self.rotary = Rotary(dcfg.layers.hf, dcfg.layers.head_dim, target.device)
+        self.rotary = Rotary(dcfg.layers, target.device)
         self.cache: ModelCache | None = None
         dev = target.device
         self.row_layout = _row_layout(self.block_size, self.block_size, dev)  # later calls' n = block_size rows

@@ -23,7 +23,7 @@ from kernels.tree_attention import tree_attention, visible_rows
 from kernels.verify_rows import verify_rows
 
 from .cache import AttentionLayerCache, ModelCache
-from .config import ModelConfig, rope_inv_freq
+from .config import HYBRID_MODEL_TYPES, ModelConfig, rope_inv_freq
 from .errors import env_switch
 from .parallel import ATTENTION_SLOT, MLP_SLOT, Partial
 
@@ -97,8 +97,9 @@ def skinny_rows(skinny: bool, x: torch.Tensor) -> bool:
 class Rotary:
     """cos/sin tables for absolute positions, computed from transformers' RoPE parameters of the config."""
 
-    def __init__(self, hf_config, head_dim: int, device):
-        inv_freq, self.scale, self.dim = rope_inv_freq(hf_config, head_dim)
+    def __init__(self, cfg: ModelConfig, device):
+        partial = cfg.model_type in HYBRID_MODEL_TYPES
+        inv_freq, self.scale, self.dim = rope_inv_freq(cfg.hf, cfg.head_dim, partial)
         self.inv_freq = inv_freq.to(device)
         self.tables: dict[torch.dtype, list[torch.Tensor]] = {}  # per dtype, [2, n, rot_dim] tables, largest last
 
@@ -400,7 +401,7 @@ class Transformer(nn.Module):
 
     def ready(self) -> "Transformer":
         """Called once the weights are in place: fuse projections, build the RoPE tables."""
-        self.rotary = Rotary(self.cfg.hf, self.cfg.head_dim, self.embed_tokens.weight.device)
+        self.rotary = Rotary(self.cfg, self.embed_tokens.weight.device)
         fuse_projections(self.layers)
         return self.eval().requires_grad_(False)
 

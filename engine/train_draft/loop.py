@@ -139,7 +139,7 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         log(f"resuming at step {step}")
     model = target.model  # frozen; its embedding and LM head are the draft's, as at inference
     embed_w, head_w = model.embed_tokens.weight, model.lm_head.weight
-    rotary = Rotary(model.cfg.hf, draft.dcfg.layers.head_dim, device)
+    rotary = Rotary(draft.dcfg.layers, device)  # the draft's own RoPE, as at inference
     packed = pack(data, device)
     val_idx, train_idx = _split_validation(len(data), settings, device, log)
     n_val = 0 if val_idx is None else len(val_idx)
