@@ -65,6 +65,21 @@ def test_partial_rotary_factor_only_where_transformers_reads_it(tiny_checkpoints
     check_against_hf(target, hf_model, [5, 17, 33, 8, 40, 3], 24, ())
 
 
+def test_a_tied_config_with_its_own_lm_head_decodes_with_that_head(tiny_checkpoints, tmp_path):
+    """A config that says tie_word_embeddings over a checkpoint holding its own, different lm_head.weight: transformers
+    keeps the two apart and decodes with lm_head; so does the engine."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tied-with-head"
+    shutil.copytree(tiny_checkpoints["llama-gqa-untied"][0], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    assert target.model.lm_head.weight is not target.model.embed_tokens.weight
+    check_against_hf(target, hf_model, [5, 17, 33, 8, 40, 3], 24, ())
+
+
 @pytest.mark.slow
 def test_default_model_matches_hf(default_target, default_hf_dir):
     from transformers import AutoModelForCausalLM

@@ -108,7 +108,10 @@ def _strip(key: str) -> str:
 
 
 def _with_weight_flags(cfg: ModelConfig, keys: set[str]) -> ModelConfig:
-    """Optional tensors (biases, q/k norms, an untied LM head) are decided by the checkpoint, not its config."""
+    """Optional tensors (biases, q/k norms, an untied LM head) are decided by the checkpoint, not its config. A
+    checkpoint that says tie_word_embeddings but holds its own lm_head.weight decodes with that head, as
+    transformers does where the two differ."""
+    cfg = dataclasses.replace(cfg, tie_embeddings=cfg.tie_embeddings and "lm_head.weight" not in keys)
     attention = [i for i in range(cfg.num_layers) if cfg.layer_type(i) == "full_attention"]
     if not attention:
         return cfg
