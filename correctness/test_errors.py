@@ -174,6 +174,15 @@ def test_fitting_draft_loads_and_is_lossless(target, dirs):
     assert dd.tokens == ar.tokens
 
 
+def test_ddtree_with_budget_0_is_ar_and_needs_no_draft(capsys, dirs, target):
+    """Control: a tree of no nodes is AR (the README's `--budget 0`), so `--draft none` is no error."""
+    ar = Decoder(target.model).generate(PROMPT, 10)
+    rc, out, err = cli(capsys, "--target", str(dirs["target"]), "--prompt-ids", "1,2,3", "--draft", "none",
+                       "--method", "ddtree", "--budget", "0", "--max-new-tokens", "10", "--ignore-eos")
+    assert rc == 0, err
+    assert f"tokens: {','.join(map(str, ar.tokens))}" in out
+
+
 def test_fitting_draft_via_cli(capsys, dirs, target):
     """Control: the CLI with the fitting draft succeeds and prints the AR tokens."""
     ar = Decoder(target.model).generate(PROMPT, 10)
@@ -521,7 +530,7 @@ def test_empty_prompt_ids_string(dirs, capsys):
                      mentions="empty")
 
 
-@pytest.mark.parametrize("text", ["1,a,3", "1;2;3", "1.5,2", "0x10"])
+@pytest.mark.parametrize("text", ["1,a,3", "1;2;3", "1.5,2", "0x10", "1,,2", "1,2,"])
 def test_bad_prompt_ids_text(dirs, capsys, text):
     """--prompt-ids that are not comma-separated integers give one error line."""
     line = assert_cli_error(capsys, "--target", str(dirs["target"]), "--prompt-ids", text, "--method", "ar",

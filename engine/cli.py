@@ -139,13 +139,12 @@ def _check_sizes(args) -> None:
 
 
 def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise EngineError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
+    if not text.replace(",", "").strip():
         raise EngineError("--prompt-ids is empty")
-    return ids
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",")]
+    except ValueError:  # a word, or an empty entry ("1,,2", a trailing comma)
+        raise EngineError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
 def _load(args, tp_device, tp):
@@ -180,9 +179,10 @@ def cmd_generate(args, tp=None, tp_device=None) -> int:
     if ids is None:
         text = args.prompt if args.prompt is not None else workloads.PROMPTS["fib"]
         ids = target.encode(text, chat=not args.no_chat_template)
+    settings = DecodeSettings(args.method, args.budget, args.topk_cap)
     drafter = (load_drafter(args.draft, target, args.block_size, args.seed, weights=args.draft_weights)
-               if args.method != "ar" else None)
-    decoder = Decoder(target.model, drafter, DecodeSettings(args.method, args.budget, args.topk_cap))
+               if settings.speculative else None)
+    decoder = Decoder(target.model, drafter, settings)
     stop = () if args.ignore_eos else target.stop_ids
     result = decoder.generate(ids, args.max_new_tokens, stop)
     if tp is not None and tp.rank != 0:

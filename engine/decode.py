@@ -72,6 +72,11 @@ class DecodeSettings:
     budget: int = 15        # DDTree: draft nodes per round
     topk_cap: int = 8       # DDTree: candidates per depth
 
+    @property
+    def speculative(self) -> bool:
+        """A drafter proposes: not AR, nor DDTree with a budget of 0 (a tree of no nodes, which is AR)."""
+        return self.method != "ar" and not (self.method == "ddtree" and self.budget == 0)
+
     def validate(self, drafter: Drafter | None) -> None:
         if self.method not in METHODS:
             raise EngineError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
@@ -79,7 +84,7 @@ class DecodeSettings:
             raise EngineError(f"budget must be >= 0, got {self.budget}")
         if self.topk_cap < 1:
             raise EngineError(f"topk_cap must be >= 1, got {self.topk_cap}")
-        if self.method != "ar":
+        if self.speculative:
             if drafter is None:
                 raise EngineError(f"method {self.method} needs a draft (--draft)")
             if drafter.block_size < 2:
@@ -159,7 +164,7 @@ class Decoder:
         settings.validate(drafter)
         target.fold_norms()  # before the first pass: two kernels fewer a layer where the target allows it
         self.target, self.settings = target, settings
-        self.speculative = settings.method != "ar" and not (settings.method == "ddtree" and settings.budget == 0)
+        self.speculative = settings.speculative
         self.drafter = drafter if self.speculative else None
         self.block_size = drafter.block_size if self.speculative else 1
         self.nodes = 0 if not self.speculative else self.block_size - 1 if settings.method == "dflash" \
