@@ -266,6 +266,18 @@ def test_bad_rope_is_refused_before_the_weights(dirs, tmp_path, patch, mentions)
     assert str(d) in str(e.value)
 
 
+@pytest.mark.parametrize("field", ["rms_norm_eps", "max_position_embeddings"])
+def test_a_null_config_field_names_the_field_and_why(dirs, tmp_path, capsys, field):
+    """transformers' validation error gives the field on its first line and why on its second: the error keeps
+    both (it ended in an empty "field 'rms_norm_eps':")."""
+    d = tmp_path / field
+    shutil.copytree(dirs["target"], d)
+    (d / "config.json").write_text(json.dumps({**_config_of(d), field: None}))
+    line = assert_cli_error(capsys, "--target", str(d), "--prompt-ids", "1,2,3", "--method", "ar",
+                            mentions="invalid config.json")
+    assert field in line and "NoneType" in line and not line.endswith(":)"), line
+
+
 def test_quantized_checkpoint_is_refused(dirs, tmp_path, capsys):
     """An fp8 checkpoint (weights in float8 with a scale beside each, quantization_config in config.json) was loaded
     with its weights cast as they are and their scales ignored: other tokens, no warning. Target and draft refuse it

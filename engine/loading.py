@@ -234,7 +234,8 @@ def _hf_config(raw: dict, where: str):
     try:
         return AutoConfig.for_model(raw.get("model_type"), **fields)
     except Exception as e:  # transformers and huggingface_hub raise several types for invalid fields
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        reason = " ".join(lines[:2]) or type(e).__name__  # a field's validation error gives its reason on line 2
         raise EngineError(f"{where}: invalid config.json ({reason})") from None
 
 
@@ -339,7 +340,8 @@ def _load_tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # tokenizers, sentencepiece and transformers raise many types for damaged files
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        reason = " ".join(lines[:2]) or type(e).__name__  # a field's validation error gives its reason on line 2
         raise EngineError(f"{path}: unreadable tokenizer files ({type(e).__name__}: {reason[:200]})") from None
 
 
@@ -415,7 +417,8 @@ def _write_hf_dir(gguf: Path, dst: Path) -> None:
     except ImportError as e:
         raise EngineError(f"reading {gguf.name} needs the gguf package ({e})") from None
     except Exception as e:  # the gguf reader raises many types for a damaged or foreign file
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        reason = " ".join(lines[:2]) or type(e).__name__  # a field's validation error gives its reason on line 2
         raise EngineError(f"{gguf}: not a readable GGUF checkpoint ({type(e).__name__}: {reason[:200]})") from None
     config = model.config.to_dict()
     config.pop("quantization_config", None)
