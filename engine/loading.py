@@ -227,6 +227,13 @@ def _check_fields(raw: dict, required: tuple[str, ...], where: str) -> None:
             raise EngineError(f"{where}: config.json's {name} must be a positive integer, got {value!r}")
 
 
+def _reason(e: Exception) -> str:
+    """An exception's message in one line: its first two non-empty lines (transformers' error for an invalid
+    config field names the field on the first and says why on the second)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return " ".join(lines[:2]) or type(e).__name__
+
+
 def _hf_config(raw: dict, where: str):
     from transformers import AutoConfig
 
@@ -234,9 +241,7 @@ def _hf_config(raw: dict, where: str):
     try:
         return AutoConfig.for_model(raw.get("model_type"), **fields)
     except Exception as e:  # transformers and huggingface_hub raise several types for invalid fields
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        reason = " ".join(lines[:2]) or type(e).__name__  # a field's validation error gives its reason on line 2
-        raise EngineError(f"{where}: invalid config.json ({reason})") from None
+        raise EngineError(f"{where}: invalid config.json ({_reason(e)})") from None
 
 
 # ---------------------------------------------------------------------------------------------------- targets
@@ -340,9 +345,7 @@ def _load_tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # tokenizers, sentencepiece and transformers raise many types for damaged files
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        reason = " ".join(lines[:2]) or type(e).__name__  # a field's validation error gives its reason on line 2
-        raise EngineError(f"{path}: unreadable tokenizer files ({type(e).__name__}: {reason[:200]})") from None
+        raise EngineError(f"{path}: unreadable tokenizer files ({type(e).__name__}: {_reason(e)[:200]})") from None
 
 
 def synthetic_target(preset: str, device, dtype, seed: int = 0) -> Target:
@@ -417,9 +420,8 @@ def _write_hf_dir(gguf: Path, dst: Path) -> None:
     except ImportError as e:
         raise EngineError(f"reading {gguf.name} needs the gguf package ({e})") from None
     except Exception as e:  # the gguf reader raises many types for a damaged or foreign file
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        reason = " ".join(lines[:2]) or type(e).__name__  # a field's validation error gives its reason on line 2
-        raise EngineError(f"{gguf}: not a readable GGUF checkpoint ({type(e).__name__}: {reason[:200]})") from None
+        raise EngineError(f"{gguf}: not a readable GGUF checkpoint ({type(e).__name__}: {_reason(e)[:200]})"
+                          ) from None
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
