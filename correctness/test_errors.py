@@ -944,6 +944,28 @@ def test_atomic_writes_get_the_modes_of_a_plain_write(tmp_path, umask):
     assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
 
 
+def test_gguf_cache_tells_apart_files_of_one_name_size_and_time(tmp_path, monkeypatch):
+    """Two GGUF files of one name, size and modification time (as `cp -p` or `tar -x` leave them), and one rewritten
+    in place with its time kept, each get their own conversion: the cache served the first file's weights."""
+    from engine import loading
+
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "_write_hf_dir", lambda gguf, dst: (dst / "config.json").write_text("{}"))
+    files = []
+    for name, byte in (("a", b"\1"), ("b", b"\2")):
+        f = tmp_path / name / "model.gguf"
+        f.parent.mkdir()
+        f.write_bytes(byte * 4096)
+        os.utime(f, ns=(10 ** 18, 10 ** 18))
+        files.append(f)
+    dirs = [loading.convert_gguf(f) for f in files]
+    assert dirs[0] != dirs[1]
+    assert loading.convert_gguf(files[0]) == dirs[0]  # unchanged: the cached conversion
+    files[0].write_bytes(b"\3" * 4096)
+    os.utime(files[0], ns=(10 ** 18, 10 ** 18))
+    assert loading.convert_gguf(files[0]) not in dirs
+
+
 @pytest.mark.slow
 def test_stale_conversion_folders_are_removed(default_hf_dir):
     """A killed GGUF conversion's half-written folder (540 MB for the default) goes at the next load, even when the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -387,10 +388,23 @@ def default_target_dir() -> Path:
     return convert_gguf(gguf)
 
 
+def _gguf_fingerprint(gguf: Path) -> str:
+    """What the conversion cache is keyed on: the file's absolute path, size and modification time in nanoseconds,
+    and its first and last MiB (two files of one name, size and whole-second time, as `cp -p` or `tar -x` leave
+    them, were one cache entry: the second decoded with the first's weights). Reading all of a GGUF of many GB at
+    every load would cost more than the check is worth."""
+    st = gguf.stat()
+    h = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, st.st_size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
 def convert_gguf(gguf: Path) -> Path:
     """De-quantize a GGUF checkpoint once with transformers and cache it as an HF directory (safetensors)."""
-    st = gguf.stat()
-    out = cache_root() / "gguf" / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
+    out = cache_root() / "gguf" / f"{gguf.stem}-{_gguf_fingerprint(gguf)}"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".convert.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time (pytest-xdist workers share the cache)
@@ -400,7 +414,7 @@ def convert_gguf(gguf: Path) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         if (out / "config.json").exists():
             return out
-        print(f"converting {gguf.name} once; cached in {out}", file=sys.stderr)
+        print(f"converting {gguf.name} (once: the result is cached in {out})", file=sys.stderr)
         tmp = temporary_sibling(out, folder=True)
         try:
             _write_hf_dir(gguf, tmp)
