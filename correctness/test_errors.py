@@ -390,7 +390,7 @@ def test_draft_lacking_a_tensor(target, dirs):
     assert_one_line(e, "layers.0.mlp.up_proj.weight")
 
 
-@pytest.mark.parametrize("spec", ["random:x", "random:0", "random:-1"])
+@pytest.mark.parametrize("spec", ["random:x", "random:0", "random:-1", "random:\u00b2"])
 def test_bad_random_draft_spec(target, dirs, capsys, spec):
     """random:N needs a layer count N >= 1."""
     with pytest.raises(EngineError) as e:
@@ -1020,10 +1020,16 @@ def test_error_in_the_middle_of_a_bench_starts_its_own_line(bench_target, tmp_pa
 
 
 @pytest.mark.parametrize("lengths,mentions", [("=5", "an empty name"), ("short,short", "a repeated name"),
-                                              ("short=0", "TOKENS >= 1")])
+                                              ("short=0", "TOKENS >= 1"), ("x=\u00b2", "TOKENS >= 1")])
 def test_bad_length_names(lengths, mentions, capsys):
     assert main(["bench", "--device", "cpu", "--lengths", lengths]) == 2
     assert mentions in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("methods", ["ddtree-\u00b2", "ddtree-x", "ddtree-"])
+def test_bad_method_names(methods, capsys):
+    assert main(["bench", "--device", "cpu", "--methods", methods]) == 2
+    assert "bad method" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -1039,7 +1045,7 @@ def test_default_draft_missing_is_an_error(monkeypatch, tmp_path):
     assert_one_line(e, "is missing from this installation")
 
 
-@pytest.mark.parametrize("value", ["0", "2,x", ",", "-1"])
+@pytest.mark.parametrize("value", ["0", "2,x", ",", "-1", "\u00b2"])  # a superscript two: isdigit, not int()
 def test_bad_concurrency(value, capsys):
     assert main(["bench", "--device", "cpu", "--concurrency", value]) == 2
     assert "bad --concurrency" in capsys.readouterr().err

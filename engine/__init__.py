@@ -32,7 +32,7 @@ def _check_kernels_package() -> None:
         transformers = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         return
-    if tuple(int(p) for p in transformers.split(".")[:2] if p.isdigit()) >= (5, 25):
+    if tuple(int(p) for p in transformers.split(".")[:2] if p.isdecimal()) >= (5, 25):
         raise ImportError(f"transformers {transformers} imports Hugging Face's `kernels` {hf_kernels}, whose name this "
                           "project's `kernels` package shadows: pip install 'transformers>=4.56,<5.25' (pyproject.toml)")
 

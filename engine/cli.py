@@ -214,7 +214,7 @@ def _parse_lengths(text: str, device) -> dict[str, int]:
             raise EngineError(f"bad length {item!r}: {'a repeated' if name else 'an empty'} name (short, long, or "
                               f"NAME=TOKENS)")
         if eq:
-            if not value.isdigit() or int(value) < 1:
+            if not value.isdecimal() or int(value) < 1:
                 raise EngineError(f"bad length {item!r}: NAME=TOKENS with TOKENS >= 1")
             lengths[name] = int(value)
         elif name in defaults:
@@ -327,7 +327,7 @@ def _results(path: str, results: dict, lossless: bool, divergence: str) -> int:
 
 def _parse_concurrency(text: str) -> list[int]:
     values = [v for v in text.split(",") if v]
-    if not values or not all(v.isdigit() and int(v) >= 1 for v in values):
+    if not values or not all(v.isdecimal() and int(v) >= 1 for v in values):
         raise EngineError(f"bad --concurrency {text!r}: comma-separated request counts >= 1, e.g. 1,2,4,8")
     return sorted({int(v) for v in values})
 

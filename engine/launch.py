@@ -55,4 +55,4 @@ def visible_gpus() -> list[int]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return list(range(count))
-    return [int(i) for i in visible.split(",") if i.strip().isdigit() and int(i) < count]
+    return [int(i) for i in visible.split(",") if i.strip().isdecimal() and int(i) < count]

@@ -465,7 +465,7 @@ def load_drafter(spec: str | None, target: Target, block_size: int | None = None
                               f"the package, or pass --draft PATH or --draft random:N")
     if spec == "random" or spec.startswith("random:"):
         layers = spec.partition(":")[2] or "1"
-        if not layers.isdigit() or int(layers) < 1:
+        if not layers.isdecimal() or int(layers) < 1:
             raise EngineError(f"bad draft {spec!r}: random:N needs a layer count N >= 1")
         draft = random_draft(target, int(layers), seed)
     else:

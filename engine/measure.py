@@ -38,7 +38,7 @@ class Method:
         if name == AUTO:  # the concurrency sweep picks its budget per concurrency (engine/budget.py)
             return cls(name, DecodeSettings("ddtree", 15, topk_cap))
         if kind == "ddtree":
-            if not budget.isdigit():
+            if not budget.isdecimal():
                 raise EngineError(f"bad method {name!r}: write ddtree-<budget>, e.g. ddtree-15")
             # named by its budget, so ddtree-015 is ddtree-15 (one record, one floor key)
             return cls(f"ddtree-{int(budget)}", DecodeSettings("ddtree", int(budget), topk_cap))
