@@ -85,8 +85,8 @@ def _positive(x) -> bool:
 def _round_down(x: float, digits: int) -> float:
     """A floor must not exceed what it was recorded from: round towards zero (round() may go up, and with a margin
     of 1 the very run it came from would fail)."""
-    scale = 10 ** digits
-    return math.floor(x * scale) / scale
+    scaled = x * 10 ** digits
+    return math.floor(scaled) / 10 ** digits if math.isfinite(scaled) else math.nan  # nan: no floor (1e308 * 100)
 
 
 def _floor_of(r: dict, field: str, margin: float, digits: int, where: str) -> float:

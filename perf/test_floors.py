@@ -85,6 +85,16 @@ def test_record_cli_errors(tmp_path, capsys):
     assert not (tmp_path / "f.json").exists()
 
 
+def test_record_refuses_a_value_too_large_to_round(tmp_path, capsys):
+    """A measured value whose rounding overflows (1e308 x 10**digits) gives no floor: one error, nothing written
+    (was an OverflowError traceback)."""
+    floors_path = tmp_path / "f.json"
+    huge = results(tmp_path, [dict(device="NVIDIA H200", method="ar", tok_s_median=1e308)])
+    assert main(["record", str(huge), "--floors", str(floors_path)]) == 2
+    assert "gives no positive floor" in capsys.readouterr().err
+    assert not floors_path.exists()
+
+
 @pytest.mark.parametrize("argv", [["record"], ["record", "r.json", "--margin", "q"], ["erase"]])
 def test_usage_errors_are_one_line(argv, capsys):
     """A malformed command line is one `error:` line naming the problem, exit code 2 (argparse's default prints
