@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+import shutil
 import subprocess
 import sys
 
@@ -18,10 +19,11 @@ from engine.exactness import compare_tokens
 from engine.loading import load_dflash_draft, save_dflash
 from engine.measure import heldout_acceptance
 from engine.model import Rotary
-from engine.train_draft import TrainSettings, features, loop, train
+from engine.cli import main
+from engine.train_draft import TrainSettings, draft_pass, features, loop, train
 from engine.train_draft.corpus import OPENERS, training_prompts
-from engine.train_draft.data import (continue_prompts, draw_batch, pack, sample_top_p, self_written_prompts,
-                                     user_turn_prefix)
+from engine.train_draft.data import (check_positions, continue_prompts, draw_batch, pack, sample_top_p,
+                                     self_written_prompts, training_prompt_ids, user_turn_prefix)
 from engine.train_draft.draft_pass import draft_logits_train, new_draft
 from engine.train_draft.features import Float8Rows, feature_bank, target_features
 from engine.train_draft.loop import graphed_step
@@ -32,6 +34,9 @@ from engine.workloads import heldout_prompts, prompt_ids
 from .checkpoints import make_hybrid_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
+# a run of a few seconds on a tiny target (the toy recipe of the tests below)
+TOY = dict(layers=1, block_size=4, prompts=6, new_tokens=8, gen_batch=6, steps=2, batch=2, anchors=2, warmup=1,
+           save_every=2, validation=0, eval_tokens=8, compile=False)
 HYBRID_NAME = "q35-attn-first"  # a hybrid target (Gated DeltaNet layers): its answers and features take other paths
 
 
@@ -634,3 +639,125 @@ def test_validation_keeps_its_sequences_out_and_writes_the_best_draft(tiny_check
     assert any(not torch.equal(states[4][k], states[8][k]) for k in written)
     for name, w in written.items():
         torch.testing.assert_close(w, states[4][name].to(w.dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("option, value", [("--lr", "nan"), ("--lr", "inf"), ("--gamma", "nan"), ("--distill", "nan"),
+                                           ("--self-written", "nan"), ("--minutes", "inf"), ("--minutes", "nan")])
+def test_non_finite_settings_are_refused_before_any_work(tiny_checkpoints, tmp_path, capsys, option, value):
+    """NaN fails every comparison, so range checks alone let `--lr nan` through (a traceback after the data; with
+    inf, or --gamma nan, a draft of NaNs and exit code 0; --minutes inf overflowed mid-run, nan meant no budget):
+    every float setting must be finite, one error line before the target loads. train() checks its settings too."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    out = tmp_path / "run"
+    toy = [a for k, v in TOY.items() if k != "compile" for a in (f"--{k.replace('_', '-')}", str(v))]
+    rc = main(["train-draft", "--target", str(path), "--out", str(out), "--device", "cpu", "--no-compile", *toy,
+               option, value])
+    assert rc == 2 and capsys.readouterr().err.splitlines() == [f"error: {option} must be a finite number, got {value}"]
+    assert not out.exists()
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    settings = TrainSettings(out=str(out), **{**TOY, option[2:].replace("-", "_"): float(value)})
+    with pytest.raises(engine.EngineError, match=f"{option} must be a finite number"):
+        train(target, settings, torch.device("cpu"), log=lambda line: None)
+    assert not out.exists()
+
+
+def test_a_bad_init_draft_is_refused_before_the_data(tiny_checkpoints, tmp_path, monkeypatch):
+    """--init is loaded right after the target, before it answers any prompt (minutes to hours): a folder that is
+    not a DFlash draft (a target's), one without config.json, or another target's draft stops the run with no
+    data.pt; a good one is loaded once and trained from."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    other = engine.load_target(str(tiny_checkpoints["qwen2-bias"][0]), "cpu", torch.float32)
+    save_dflash(new_draft(other, TrainSettings(out="", **TOY), 7), other, tmp_path / "foreign")
+    (tmp_path / "empty").mkdir()
+    run = tmp_path / "run"
+    for init, message in ((path, "not a DFlash draft"), (tmp_path / "empty", "no config.json"),
+                          (tmp_path / "foreign", "does not fit target")):
+        with pytest.raises(engine.EngineError, match=message):
+            train(target, TrainSettings(out=str(run), init=str(init), **TOY), torch.device("cpu"),
+                  log=lambda line: None)
+        assert not run.exists()
+    save_dflash(new_draft(target, TrainSettings(out="", **TOY), 7), target, tmp_path / "mine")
+    loads, real = [], draft_pass.load_dflash_draft
+    monkeypatch.setattr(draft_pass, "load_dflash_draft", lambda *a: loads.append(a) or real(*a))
+    train(target, TrainSettings(out=str(run), init=str(tmp_path / "mine"), **TOY), torch.device("cpu"),
+          log=lambda line: None)
+    assert len(loads) == 1 and (run / "draft" / "config.json").exists()
+
+
+def test_lengths_past_the_targets_position_limit_are_refused_before_the_data(tiny_checkpoints, tmp_path):
+    """Every training sequence (its prompt plus --new-tokens) and every held-out check (its prompt plus
+    --eval-tokens, after training) must fit the target's position limit (256 here): refused before the target
+    answers anything, with the numbers, not after the whole run (or trained past the limit with exit code 0)."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    assert target.model.cfg.max_position == 256
+    settings = TrainSettings(out=str(tmp_path / "run"), **TOY)
+    longest = max(map(len, training_prompt_ids(target, settings, log=lambda line: None)))
+    held_out = max(len(prompt_ids(target, w)) for w in heldout_prompts())
+    for change, message in ((dict(new_tokens=300), "--new-tokens 300 plus the shortest possible prompt"),
+                            (dict(new_tokens=257 - longest),
+                             f"--new-tokens {257 - longest} plus the longest training prompt \\({longest} tokens\\) "
+                             "is 257 positions, past the target's position limit of 256"),
+                            (dict(eval_tokens=257 - held_out),
+                             f"--eval-tokens {257 - held_out} plus the longest held-out prompt \\({held_out} tokens")):
+        with pytest.raises(engine.EngineError, match=message):
+            train(target, dataclasses.replace(settings, **change), torch.device("cpu"), log=lambda line: None)
+        assert not (tmp_path / "run").exists()
+    # the limit itself fits
+    check_positions(target, dataclasses.replace(settings, new_tokens=256 - longest),
+                    training_prompt_ids(target, settings, log=lambda line: None))
+    check_positions(target, dataclasses.replace(settings, eval_tokens=256 - held_out))
+
+
+def test_resume_writes_a_missing_draft_from_the_checkpoint(tiny_checkpoints, tmp_path):
+    """A run killed between its last checkpoint and its draft (or inside save_dflash) has no draft/: resumed, with
+    no step left to train, it writes the checkpoint's draft (it logged the draft's path and left none before)."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    from safetensors.torch import load_file
+
+    settings = TrainSettings(out=str(tmp_path / "run"), **TOY)
+    first = train(target, settings, torch.device("cpu"), log=lambda line: None)
+    written = load_file(first.draft_dir / "model.safetensors")
+    shutil.rmtree(first.draft_dir)
+    again = train(target, settings, torch.device("cpu"), resume=True, log=lambda line: None)
+    assert again.first_step == again.steps == 2 and again.draft_dir == first.draft_dir
+    rewritten = load_file(again.draft_dir / "model.safetensors")
+    assert rewritten.keys() == written.keys()
+    assert all(torch.equal(rewritten[k], w) for k, w in written.items())
+
+
+def test_data_of_another_target_or_other_data_settings_is_refused(tiny_checkpoints, tmp_path):
+    """data.pt records the target (a fingerprint of its weights and tokenizer, not its path) and the data settings
+    it was made for. A run reuses it, with or without --resume, only when both match: another target crashed in the
+    embedding, other --prompts or --new-tokens trained silently on the old data. A data.pt that records neither
+    (an older train-draft's) is refused too."""
+    path, _ = tiny_checkpoints["llama-gqa-untied"]
+    target = engine.load_target(str(path), "cpu", torch.float32)
+    run = tmp_path / "run"
+    settings = TrainSettings(out=str(run), **TOY)
+    train(target, settings, torch.device("cpu"), log=lambda line: None)
+    for f in ("checkpoint.pt", "draft"):  # a run killed after its data, before its first checkpoint
+        shutil.rmtree(run / f) if f == "draft" else (run / f).unlink()
+    data = (run / "data.pt").read_bytes()
+    other = engine.load_target(str(tiny_checkpoints["qwen2-bias"][0]), "cpu", torch.float32)
+    with pytest.raises(engine.EngineError, match="data.pt was made for another target .*qwen2-bias.*remove"):
+        train(other, settings, torch.device("cpu"), log=lambda line: None)
+    for name, value in (("prompts", 7), ("new_tokens", 9), ("self_written", 0.5), ("gen_batch", 3), ("seed", 1)):
+        for resume in (False, True):
+            with pytest.raises(engine.EngineError, match=f"made for --{name.replace('_', '-')} "
+                               f"{getattr(settings, name)} \\(this run's: {value}\\): pass another --out"):
+                train(target, dataclasses.replace(settings, **{name: value}), torch.device("cpu"), resume=resume,
+                      log=lambda line: None)
+    assert (run / "data.pt").read_bytes() == data and sorted(p.name for p in run.iterdir()) == ["data.pt"]
+    # the same target under another path is the same target; the same settings reuse the data
+    shutil.copytree(path, tmp_path / "copy")
+    copy = engine.load_target(str(tmp_path / "copy"), "cpu", torch.float32)
+    assert loop.target_fingerprint(copy) == loop.target_fingerprint(target) != loop.target_fingerprint(other)
+    assert train(copy, settings, torch.device("cpu"), log=lambda line: None).data_reused
+    stored = loop.read_run_file(run / "data.pt")
+    del stored["made_for"]
+    torch.save(stored, run / "data.pt")
+    with pytest.raises(engine.EngineError, match="does not record the target and the data settings"):
+        train(target, settings, torch.device("cpu"), resume=True, log=lambda line: None)

@@ -373,22 +373,7 @@ def cmd_train_draft(args) -> int:
 
     settings = TrainSettings(**{k: getattr(args, k) for k in asdict(TrainSettings(out="")) if k != "out"},
                              out=args.out)
-    for name in ("layers", "prompts", "new_tokens", "gen_batch", "steps", "batch", "anchors", "save_every",
-                 "eval_tokens", "warmup", "validation"):
-        least = 0 if name in ("warmup", "validation") else 1
-        if getattr(settings, name) < least:
-            raise EngineError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(settings, name)}")
-    if settings.minutes < 0:
-        raise EngineError(f"--minutes is a time budget, 0 for none; got {settings.minutes}")
-    if settings.minutes and args.resume:
-        raise EngineError("--minutes sets the step count in a run's first minutes, so it cannot resume a run: "
-                          "pass --resume with the --steps that run logged")
-    if settings.block_size < 2 or settings.lr <= 0 or settings.gamma <= 0:
-        raise EngineError("--block-size must be >= 2, --lr and --gamma > 0")
-    if not 0 <= settings.distill <= 1:
-        raise EngineError(f"--distill is the KL's share of the loss, from 0 to 1; got {settings.distill}")
-    if not 0 <= settings.self_written <= 1:
-        raise EngineError(f"--self-written is a share of the prompts, from 0 to 1; got {settings.self_written}")
+    settings.check(args.resume)  # before the target loads (minutes for a large one)
     if settings.init not in ("", "default") and not Path(settings.init).expanduser().exists():
         raise EngineError(f"--init: draft path {settings.init} does not exist")  # before the target loads
     check_writable(Path(args.out) / "summary.json", "a training run")

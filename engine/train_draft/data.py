@@ -14,9 +14,10 @@ import sys
 
 import torch
 
+from ..errors import EngineError
 from ..loading import Target
 from ..model import Transformer
-from ..workloads import heldout_prompts
+from ..workloads import heldout_prompts, prompt_ids
 from .corpus import OPENERS, training_prompts
 from .settings import TrainSettings
 
@@ -145,6 +146,25 @@ def training_prompt_ids(target: Target, settings: TrainSettings, log) -> list[li
     return [target.encode(p) for p in written + templated]
 
 
+def check_positions(target: Target, settings: TrainSettings, prompts: list[list[int]] | None = None) -> None:
+    """Refuse sequences past the target's position limit before the target answers anything: with the prompts, the
+    longest prompt plus --new-tokens; without them (before the target writes its own), --new-tokens after a
+    one-token prompt, and the held-out check's longest prompt plus --eval-tokens (the check runs after training)."""
+    limit = target.model.cfg.max_position
+
+    def fits(option, value, prompt, longest):
+        if longest + value > limit:
+            raise EngineError(f"{option} {value} plus {prompt} ({longest} token{'s' * (longest != 1)}) is "
+                              f"{longest + value} positions, past the target's position limit of {limit}")
+
+    if prompts is not None:
+        fits("--new-tokens", settings.new_tokens, "the longest training prompt", max(map(len, prompts)))
+        return
+    fits("--new-tokens", settings.new_tokens, "the shortest possible prompt", 1)
+    fits("--eval-tokens", settings.eval_tokens, "the longest held-out prompt",
+         max(len(prompt_ids(target, w)) for w in heldout_prompts()))
+
+
 @torch.no_grad()
 def generate_data(target: Target, settings: TrainSettings, log=print) -> list[dict]:
     """[{ids: prompt + greedy answer, prompt_len}], the answers from the engine's own model in the target's dtype
@@ -153,6 +173,7 @@ def generate_data(target: Target, settings: TrainSettings, log=print) -> list[di
     Every answer runs the full settings.new_tokens, past end-of-sequence tokens: `bench` and the perf suite decode
     fixed lengths, so the draft must also know what the target writes after it would have stopped (new turns)."""
     prompts = training_prompt_ids(target, settings, log)
+    check_positions(target, settings, prompts)
     answers = continue_prompts(target.model, prompts, settings.new_tokens, settings.gen_batch)
     return [dict(ids=p + a, prompt_len=len(p)) for p, a in zip(prompts, answers)]
 

@@ -1,12 +1,15 @@
 """The training loop: data, draft, optimizer and checkpoints of a run folder, the step (one CUDA graph on a GPU),
 validation at every checkpoint, and the draft written in the public DFlash format.
 
-A run folder holds data.pt (the prompts and answers, so a resumed run does not generate them again),
+A run folder holds data.pt (the prompts and answers, so a resumed run does not generate them again; with the
+target and the data settings they were made for, so that no other run reuses them),
 checkpoint.pt (the draft, the optimizer state, the step and the validation record; --resume continues from it),
 validation.json, and draft/ (the best validation check's draft, or the last step's).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import pickle
 import sys
 import time
@@ -19,7 +22,7 @@ from ..errors import EngineError
 from ..loading import Target, save_dflash
 from ..model import Rotary
 from ..results import atomic_torch_save, remove_stale_temporaries, write_json
-from .data import draw_batch, generate_data, pack
+from .data import check_positions, draw_batch, generate_data, pack
 from .draft_pass import draft_logits_train, initial_draft
 from .features import feature_bank, target_features
 from .loss import accepted_prefix, block_loss, target_block_logits
@@ -52,11 +55,52 @@ def read_run_file(path: Path, device=None) -> dict:
     return obj
 
 
+# The settings the prompts and answers depend on, besides the target (gen_batch too: it sets how the sampled
+# self-written prompts draw from the seeded stream).
+DATA_SETTINGS = ("prompts", "new_tokens", "self_written", "gen_batch", "seed")
+
+
+def target_fingerprint(target: Target) -> str:
+    """The target as far as its answers go, whatever path named it: a hash of every weight's name, shape and dtype
+    with a strided sample of its values (all of a large target's would take seconds), and of its tokenizer."""
+    h = hashlib.sha256()
+    for name, w in sorted(target.model.state_dict().items()):
+        flat = w.detach().flatten()
+        h.update(f"{name} {tuple(w.shape)} {w.dtype}".encode())
+        h.update(flat[::max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
+    tok = target.tokenizer
+    if tok is not None:
+        h.update(json.dumps([sorted(tok.get_vocab().items()), getattr(tok, "chat_template", None)]).encode())
+    return h.hexdigest()[:16]
+
+
+def _target_name(target: Target) -> str:
+    return f"{target.name}, {str(target.model.dtype).removeprefix('torch.')}"
+
+
+def _check_made_for(path: Path, made_for, key: dict, name: str) -> None:
+    """Refuse a data.pt made for another target or other data settings (or one that does not say: an older
+    train-draft's), naming what differs."""
+    fix = f"pass another --out, or remove {path} to generate this run's data"
+    if not isinstance(made_for, dict):
+        raise EngineError(f"{path} does not record the target and the data settings it was made for (an older "
+                          f"train-draft wrote it): {fix}")
+    for k, want in key.items():
+        if made_for.get(k) != want:
+            what = (f"another target ({made_for.get('target_name')}, fingerprint {made_for.get(k)}; this run's: "
+                    f"{name}, {want})" if k == "target"
+                    else f"--{k.replace('_', '-')} {made_for.get(k)} (this run's: {want})")
+            raise EngineError(f"{path} was made for {what}: {fix}")
+
+
 def _data(target: Target, settings: TrainSettings, path: Path, log) -> tuple[list[dict], bool]:
-    """The run's prompts and answers: read from data.pt, or generated and saved there. Also whether they were
-    read."""
+    """The run's prompts and answers: read from data.pt when it was made for this target and these data settings
+    (refused when not), or generated and saved there. Also whether they were read."""
+    key = dict(target=target_fingerprint(target), **{k: getattr(settings, k) for k in DATA_SETTINGS})
     if path.exists():
-        data = read_run_file(path).get("data")
+        stored = read_run_file(path)
+        _check_made_for(path, stored.get("made_for"), key, _target_name(target))
+        data = stored.get("data")
         if not isinstance(data, list) or not all(isinstance(d, dict) and {"ids", "prompt_len"} <= d.keys()
                                                  for d in data):
             raise EngineError(f"{path}: not a file that train-draft wrote (no list of sequences under 'data')")
@@ -64,7 +108,9 @@ def _data(target: Target, settings: TrainSettings, path: Path, log) -> tuple[lis
         return data, True
     t0 = time.perf_counter()
     data = generate_data(target, settings, log=log)
-    atomic_torch_save(dict(data=data, settings=asdict(settings)), path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    made_for = dict(key, target_name=_target_name(target))
+    atomic_torch_save(dict(data=data, settings=asdict(settings), made_for=made_for), path)
     log(f"data: {len(data)} sequences, {sum(len(d['ids']) - d['prompt_len'] for d in data)} answer tokens, "
         f"{time.perf_counter() - t0:.0f} s")
     return data, False
@@ -116,14 +162,17 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
 
     out = Path(settings.out)
     ckpt_path, data_path = out / "checkpoint.pt", out / "data.pt"
+    settings.check(resume)
     if ckpt_path.exists() and not resume:
         raise EngineError(f"{out} already holds a training run: pass --resume to continue it, or another --out")
-    out.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out)  # what a killed run left half-written
     amp = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.perf_counter()
-    data, data_reused = _data(target, settings, data_path, log)
+    # what can refuse the run comes before the data, which takes the target minutes to hours: a bad --init draft,
+    # lengths past the target's position limit (check_positions), a data.pt of another target or other settings
     draft = initial_draft(target, settings, log).to(device)
+    check_positions(target, settings)
+    data, data_reused = _data(target, settings, data_path, log)  # the run folder exists from here on
     # fused: one launch for the whole update (the step is bound by the host)
     opt = torch.optim.AdamW(draft.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=device.type == "cuda")
@@ -137,6 +186,11 @@ def train(target: Target, settings: TrainSettings, device, resume: bool = False,
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
             raise EngineError(f"{ckpt_path}: does not fit this recipe's draft ({str(e).splitlines()[0]})") from None
         log(f"resuming at step {step}")
+        if not (out / "draft").exists():
+            # killed between this checkpoint and its draft (or inside save_dflash): the checkpoint's draft is the one
+            # draft/ was being written from; without it, a run with no steps left (or no better check) has no draft
+            save_dflash(draft, target, out / "draft")
+            log(f"draft: {out / 'draft'} written again from the checkpoint of step {step}")
     model = target.model  # frozen; its embedding and LM head are the draft's, as at inference
     embed_w, head_w = model.embed_tokens.weight, model.lm_head.weight
     rotary = Rotary(draft.dcfg.layers, device)  # the draft's own RoPE, as at inference

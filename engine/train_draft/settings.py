@@ -1,8 +1,10 @@
 """The training recipe: one field per `train-draft` option, the defaults those of the committed default draft."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
+from ..errors import EngineError
 from ..workloads import HELDOUT_TOKENS
 
 
@@ -45,3 +47,32 @@ class TrainSettings:
     seed: int = _setting(0, "seed of the data and of training")
     eval_tokens: int = _setting(HELDOUT_TOKENS, "new tokens per held-out prompt in the summary (as the perf "
                                                 "suite's held-out floor)")
+
+    def check(self, resume: bool = False) -> None:
+        """Refuse a recipe out of range with one EngineError naming its option, before the target loads or anything
+        runs. Every float must be finite: NaN fails no comparison, so `lr <= 0` alone lets `--lr nan` through to a
+        draft of NaNs."""
+        def option(name):
+            return "--" + name.replace("_", "-")
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "float" and not math.isfinite(value):
+                raise EngineError(f"{option(f.name)} must be a finite number, got {value}")
+        for name in ("layers", "prompts", "new_tokens", "gen_batch", "steps", "batch", "anchors", "save_every",
+                     "eval_tokens", "warmup", "validation", "block_size"):
+            least = {"warmup": 0, "validation": 0, "block_size": 2}.get(name, 1)
+            if getattr(self, name) < least:
+                raise EngineError(f"{option(name)} must be >= {least}, got {getattr(self, name)}")
+        for name in ("lr", "gamma"):
+            if getattr(self, name) <= 0:
+                raise EngineError(f"{option(name)} must be > 0, got {getattr(self, name)}")
+        if self.minutes < 0:
+            raise EngineError(f"--minutes is a time budget, 0 for none; got {self.minutes}")
+        if self.minutes and resume:
+            raise EngineError("--minutes sets the step count in a run's first minutes, so it cannot resume a run: "
+                              "pass --resume with the --steps that run logged")
+        if not 0 <= self.distill <= 1:
+            raise EngineError(f"--distill is the KL's share of the loss, from 0 to 1; got {self.distill}")
+        if not 0 <= self.self_written <= 1:
+            raise EngineError(f"--self-written is a share of the prompts, from 0 to 1; got {self.self_written}")
