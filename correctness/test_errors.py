@@ -680,13 +680,15 @@ class _Planted:
 
 
 @pytest.mark.parametrize("name", ["data.pt", "checkpoint.pt"])
-def test_crafted_run_file_runs_no_code(dirs, tmp_path, name):
+def test_crafted_run_file_runs_no_code(tiny_checkpoints, tmp_path, name):
     run = tmp_path / "run"
     run.mkdir()
     marker = tmp_path / "ran"
     torch.save({"data": [_Planted(marker)], "draft": _Planted(marker)}, run / name)
-    args = ["train-draft", "--target", str(dirs["target"]), "--out", str(run), "--device", "cpu", "--prompts", "4",
-            "--steps", "1"]
+    # a target whose 256 positions hold the run's lengths (checked before any run file is read)
+    target = tiny_checkpoints["llama-gqa-untied"][0]
+    args = ["train-draft", "--target", str(target), "--out", str(run), "--device", "cpu", "--prompts", "4",
+            "--new-tokens", "8", "--steps", "1"]
     proc = run_engine(*args, *(["--resume"] if name == "checkpoint.pt" else []))
     if name == "checkpoint.pt":  # the data.pt that resume reads first must be a real one: make it
         assert proc.returncode == 2
